@@ -1,0 +1,261 @@
+"""Corpora: every source kind, the sha1 document split, token packing, and every error message."""
+
+import functools
+import json
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+from transformers import PreTrainedTokenizerFast
+
+from taylor_calibrate.data import (
+    CorpusSpec,
+    TokenSplits,
+    load_documents,
+    load_splits,
+    pack_tokens,
+    split_documents,
+)
+
+
+# ----------------------------------------------------------------------------- tiny offline tokenizers
+
+
+def word_tokenizer(eos: bool = True) -> PreTrainedTokenizerFast:
+    """Whitespace words "w0".."w99" -> ids 2..101, "<eos>" = 0: token ids can be written by hand."""
+    vocab = {"<eos>": 0, "<unk>": 1, **{f"w{i}": i + 2 for i in range(100)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>" if eos else None)
+
+
+@functools.lru_cache
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained here on a few strings: it encodes any text, like a real LLM tokenizer."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n", "import os\nclass A:\n    pass\n"] * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def word_docs(n: int, words_per_doc: int = 10) -> list[tuple[str, str]]:
+    """Doc i is the word w{i} repeated: every token tells which document it came from."""
+    return [(f"doc{i:02d}.txt", " ".join([f"w{i}"] * words_per_doc)) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- builtin corpus
+
+
+def test_builtin_corpus_is_stdlib_source():
+    docs = load_documents(CorpusSpec())
+    ids = [doc_id for doc_id, _ in docs]
+    assert len(ids) > 100 and ids == sorted(ids)
+    assert {"os.py", "json/__init__.py", "asyncio/tasks.py"} <= set(ids)
+    assert all(doc_id.endswith(".py") for doc_id in ids)
+    skipped = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
+    assert not any(skipped & set(doc_id.split("/")[:-1]) for doc_id in ids)
+    assert "def " in dict(docs)["os.py"]
+
+
+def test_builtin_load_splits_deterministic_and_disjoint():
+    tok = byte_tokenizer()
+    a = load_splits(CorpusSpec(), tok, seq_len=64, calib_seqs=4, heldout_seqs=2)
+    b = load_splits(CorpusSpec(), tok, seq_len=64, calib_seqs=4, heldout_seqs=2)
+    assert isinstance(a, TokenSplits)
+    assert a.calib.shape == (4, 64) and a.heldout.shape == (2, 64) and a.calib.dtype == torch.long
+    assert torch.equal(a.calib, b.calib) and torch.equal(a.heldout, b.heldout)
+    calib_docs, heldout_docs = split_documents(load_documents(CorpusSpec()), 0.5)
+    assert not {d for d, _ in calib_docs} & {d for d, _ in heldout_docs}
+
+
+# ----------------------------------------------------------------------------- splitting
+
+
+def test_split_is_disjoint_deterministic_and_stable():
+    docs = word_docs(60)
+    calib, heldout = split_documents(docs, 0.5)
+    assert (calib, heldout) == split_documents(docs, 0.5)
+    assert (calib, heldout) == split_documents(docs[::-1], 0.5)  # input order does not matter
+    calib_ids, heldout_ids = {d for d, _ in calib}, {d for d, _ in heldout}
+    assert not calib_ids & heldout_ids and calib_ids | heldout_ids == {d for d, _ in docs}
+    # A new document takes a side; no other document moves.
+    calib2, heldout2 = split_documents(docs + [("new.txt", "w0")], 0.5)
+    assert {d for d, _ in calib2} - {"new.txt"} == calib_ids
+    assert {d for d, _ in heldout2} - {"new.txt"} == heldout_ids
+    # A smaller fraction only moves documents from held-out to calibration.
+    calib3, heldout3 = split_documents(docs, 0.2)
+    assert {d for d, _ in heldout3} < heldout_ids and len(heldout3) < len(calib3)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0, -0.1, 1.5])
+def test_split_rejects_fraction_outside_unit_interval(fraction):
+    with pytest.raises(ValueError, match=r"heldout_fraction must be in \(0, 1\)"):
+        split_documents(word_docs(10), fraction)
+
+
+def test_split_with_one_side_empty_names_corpus_and_fix():
+    with pytest.raises(ValueError, match=r"corpus 'mine\.txt'.* split is empty \(1 documents.*more documents"):
+        split_documents(word_docs(1), 0.5, source="mine.txt")
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def test_pack_exact_content():
+    docs = [("a", "w1 w2 w3"), ("b", "w4 w5"), ("c", "w6 w7 w8 w9")]
+    rows = pack_tokens(docs, word_tokenizer(), seq_len=3, num_seqs=3)
+    # stream: 3 4 5 <eos> 6 7 <eos> 8 9 10 11 <eos>; the first 3 rows of 3
+    assert rows.tolist() == [[3, 4, 5], [0, 6, 7], [0, 8, 9]]
+    assert rows.dtype == torch.long
+    no_eos = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert pack_tokens(docs, word_tokenizer(), 3, 3, add_eos=False).tolist() == no_eos
+    assert pack_tokens(docs, word_tokenizer(eos=False), 3, 3).tolist() == no_eos  # no eos token to add
+
+
+def test_pack_stops_tokenising_once_enough_tokens():
+    tok, calls = word_tokenizer(), []
+
+    class Counting:
+        eos_token_id = tok.eos_token_id
+
+        def __call__(self, text, **kwargs):
+            calls.append(text)
+            return tok(text, **kwargs)
+
+    docs = word_docs(50)  # 11 tokens per document with eos
+    rows = pack_tokens(docs, Counting(), seq_len=4, num_seqs=5)  # 20 tokens: 2 documents
+    assert rows.shape == (5, 4) and len(calls) == 2
+
+
+def test_pack_errors_name_the_problem():
+    tok = word_tokenizer()
+    with pytest.raises(ValueError, match=r"corpus 'small' gives only 6 tokens, need 2\*4=8.*--num-seqs/--seq-len"):
+        pack_tokens([("a", "w1 w2"), ("b", "w3 w4")], tok, seq_len=4, num_seqs=2, source="small")
+    with pytest.raises(ValueError, match=r"corpus 'none' is empty"):
+        pack_tokens([], tok, 4, 2, source="none")
+    with pytest.raises(ValueError, match=r"corpus 'blank' is empty: its 2 documents give no tokens"):
+        pack_tokens([("a", ""), ("b", "  \n")], tok, 4, 2, source="blank")
+    with pytest.raises(ValueError, match=r"seq_len and num_seqs must be >= 1"):
+        pack_tokens(word_docs(3), tok, 0, 2)
+
+
+# ----------------------------------------------------------------------------- source kinds
+
+
+def test_text_file_is_cut_into_chunks(tmp_path):
+    paragraphs = [" ".join([f"w{i % 100}"] * 100) for i in range(40)]  # ~12 KB
+    text = "\n\n".join(paragraphs) + "\n"
+    path = tmp_path / "book.txt"
+    path.write_text(text)
+    docs = load_documents(CorpusSpec(source=str(path)))
+    assert len(docs) > 3 and docs[0][0] == "book.txt:1"
+    assert "".join(t for _, t in docs) == text  # chunks are the file, cut at blank lines
+    splits = load_splits(CorpusSpec(source=str(path)), word_tokenizer(), seq_len=16, calib_seqs=4, heldout_seqs=4)
+    assert splits.calib.shape == splits.heldout.shape == (4, 16)
+
+
+def test_directory_recurses_sorted_and_skips_binaries(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "b.py").write_text("w1 w2")
+    (tmp_path / "sub" / "a.md").write_text("w3")
+    (tmp_path / "a.txt").write_text("w4")
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02w5")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    docs = load_documents(CorpusSpec(source=str(tmp_path)))
+    assert docs == [("a.txt", "w4"), ("b.py", "w1 w2"), ("sub/a.md", "w3")]
+
+
+def test_directory_split_is_disjoint_at_token_level(tmp_path):
+    for doc_id, text in word_docs(40):
+        (tmp_path / doc_id).write_text(text)
+    spec = CorpusSpec(source=str(tmp_path), heldout_fraction=0.3)
+    splits = load_splits(spec, word_tokenizer(), seq_len=8, calib_seqs=10, heldout_seqs=5)
+    calib_words = set(splits.calib.unique().tolist()) - {0}
+    heldout_words = set(splits.heldout.unique().tolist()) - {0}
+    assert calib_words and heldout_words and not calib_words & heldout_words
+
+
+def test_jsonl(tmp_path):
+    path = tmp_path / "c.jsonl"
+    records = [{"text": "w1 w2", "content": "w7"}, {"text": "w3", "content": None}]
+    path.write_text(json.dumps(records[0]) + "\n\n" + json.dumps(records[1]) + "\n")
+    assert load_documents(CorpusSpec(source=str(path))) == [("0", "w1 w2"), ("1", "w3")]
+    assert load_documents(CorpusSpec(source=str(path), text_field="content")) == [("0", "w7"), ("1", "")]
+
+
+def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
+    rows = {"text": ["w1", "w2 w3", "w4"], "id": [0, 1, 2]}
+    datasets.Dataset.from_dict(rows).save_to_disk(tmp_path / "ds")
+    expected = [("0", "w1"), ("1", "w2 w3"), ("2", "w4")]
+    assert load_documents(CorpusSpec(source=str(tmp_path / "ds"))) == expected
+
+    val = datasets.Dataset.from_dict({"text": ["w9"]})
+    datasets.DatasetDict(validation=val).save_to_disk(tmp_path / "dd")
+    spec = CorpusSpec(source=str(tmp_path / "dd"))
+    assert load_documents(spec) == [("0", "w9")]  # no "train": the first split
+    with pytest.raises(ValueError, match=r"no split 'test'; splits present: \['validation'\]"):
+        load_documents(CorpusSpec(source=str(tmp_path / "dd"), split="test"))
+
+    datasets.DatasetDict(train=datasets.Dataset.from_dict(rows), validation=val).save_to_disk(tmp_path / "dd2")
+    assert load_documents(CorpusSpec(source=str(tmp_path / "dd2"))) == expected
+    assert load_documents(CorpusSpec(source=str(tmp_path / "dd2"), split="validation")) == [("0", "w9")]
+
+    with pytest.raises(ValueError, match=r"no text field 'body'; fields present: \['text', 'id'\]"):
+        load_documents(CorpusSpec(source=str(tmp_path / "ds"), text_field="body"))
+
+
+def test_hub_source_offline_says_so(monkeypatch):
+    def offline(*args, **kwargs):
+        raise OSError("Couldn't reach 'wikitext' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ConnectionError, match=r"'wikitext:wikitext-2-raw-v1'.*hub is unreachable.*save_to_disk"):
+        load_documents(CorpusSpec(source="hf:wikitext:wikitext-2-raw-v1"))
+
+
+# ----------------------------------------------------------------------------- source errors
+
+
+def test_source_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"'.*nowhere\.txt' does not exist"):
+        load_documents(CorpusSpec(source=str(tmp_path / "nowhere.txt")))
+
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match=r"corpus '.*empty\.txt' is empty"):
+        load_documents(CorpusSpec(source=str(tmp_path / "empty.txt")))
+
+    (tmp_path / "blank.txt").write_text("\n \n")
+    with pytest.raises(ValueError, match=r"corpus '.*blank\.txt' is empty"):
+        load_documents(CorpusSpec(source=str(tmp_path / "blank.txt")))
+
+    (tmp_path / "bin.dat").write_bytes(b"\x00\xff")
+    with pytest.raises(ValueError, match=r"'.*bin\.dat' is binary or not UTF-8"):
+        load_documents(CorpusSpec(source=str(tmp_path / "bin.dat")))
+
+    (tmp_path / "emptydir").mkdir()
+    with pytest.raises(ValueError, match=r"'.*emptydir' holds no text files"):
+        load_documents(CorpusSpec(source=str(tmp_path / "emptydir")))
+
+    (tmp_path / "bindir").mkdir()
+    (tmp_path / "bindir" / "x.bin").write_bytes(b"\x00")
+    with pytest.raises(ValueError, match=r"'.*bindir' holds no text files"):
+        load_documents(CorpusSpec(source=str(tmp_path / "bindir")))
+
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match=r"corpus '.*empty\.jsonl' is empty"):
+        load_documents(CorpusSpec(source=str(tmp_path / "empty.jsonl")))
+
+    (tmp_path / "body.jsonl").write_text('{"body": "w1", "id": 3}\n')
+    with pytest.raises(ValueError, match=r"body\.jsonl:1 has no text field 'text'; fields present: \['body', 'id'\]"):
+        load_documents(CorpusSpec(source=str(tmp_path / "body.jsonl")))
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "w1"}\n{"text": \n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2 is not valid JSON"):
+        load_documents(CorpusSpec(source=str(tmp_path / "bad.jsonl")))
