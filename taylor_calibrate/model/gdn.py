@@ -1,0 +1,175 @@
+"""The Gated DeltaNet mixer that replaces a converted attention layer (METHOD.md section 2).
+
+Parameter names follow fla's `fla.layers.GatedDeltaNet` (q_proj, k_proj, v_proj, a_proj, b_proj, g_proj, o_proj,
+A_log, dt_bias, q_conv1d/k_conv1d/v_conv1d, o_norm), so a state dict maps onto fla's layer and the recurrence can
+run on fla's fused kernels. The recurrence itself lives in `taylor_calibrate.ops`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from taylor_calibrate.config import GDNConfig
+from taylor_calibrate.ops import gated_delta_rule
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over the head dim, weight shared by heads (fla's o_norm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):  # (..., D)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+_ACT = {"silu": F.silu, "identity": lambda x: x}
+_GATE = {"swish": F.silu, "sigmoid": torch.sigmoid}
+
+
+class GatedDeltaNet(nn.Module):
+    """A GDN layer with the teacher's head layout: num_heads = teacher query heads, head_dim = teacher head_dim."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, cfg: GDNConfig, layer_idx: int,
+                 qkv_bias: bool = False, o_bias: bool = False):
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        self.num_heads, self.head_dim = num_heads, head_dim
+        H, D = num_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, H * D, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, H * D, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, H * D, bias=qkv_bias)
+        self.a_proj = nn.Linear(hidden_size, H, bias=False)  # decay input
+        self.b_proj = nn.Linear(hidden_size, H, bias=False)  # write gate beta
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(H))
+        if cfg.short_conv != "none":  # depthwise causal convs, weight (C, 1, K) as fla's ShortConvolution
+            for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+                setattr(self, name, nn.Conv1d(H * D, H * D, cfg.conv_size, groups=H * D, bias=False))
+        self.g_proj = nn.Linear(hidden_size, H * D, bias=False) if cfg.gate != "none" else None
+        self.o_norm = HeadRMSNorm(D, cfg.norm_eps) if cfg.output_norm else None
+        self.o_proj = nn.Linear(H * D, hidden_size, bias=o_bias)
+        self.backend = "torch"  # set once for the whole model by HybridForCausalLM.set_backend
+
+    # --- pieces, exposed so calibration and alignment can read intermediate quantities -------------------------
+    def _short_conv(self, q, k, v, cache):
+        """Causal depthwise conv over (q|k|v) channels; the cache keeps the last K-1 inputs for decoding."""
+        T, K = q.shape[1], self.cfg.conv_size
+        x = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # (B, 3C, T)
+        if cache is not None:
+            x = cache.update_conv_state(x, self.layer_idx, conv_kernel_size=K - 1)  # (B, 3C, >= T)
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)  # (3C, 1, K)
+        y = F.conv1d(F.pad(x, (K - 1, 0)), w.to(x.dtype), groups=w.shape[0])[..., -T:]
+        return y.transpose(1, 2).split(q.shape[-1], dim=-1)
+
+    def features(self, x, cache=None, gdn_mask=None):
+        """Inputs of the recurrence: q, k, v (B, T, H, D), log-decay g and write gate beta (B, T, H), both fp32."""
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if gdn_mask is not None:  # padded positions neither write nor decay: left padding becomes invisible
+            m = gdn_mask[:, -T:, None].to(q.dtype)
+            q, k, v = q * m, k * m, v * m
+        if self.cfg.short_conv != "none":
+            q, k, v = self._short_conv(q, k, v, cache)
+        q = _ACT[self.cfg.qk_activation](q).view(B, T, H, D)
+        k = _ACT[self.cfg.qk_activation](k).view(B, T, H, D)
+        v = _ACT[self.cfg.v_activation](v).view(B, T, H, D)
+        q, k = F.normalize(q.float(), dim=-1, eps=1e-6).to(v.dtype), F.normalize(k.float(), dim=-1, eps=1e-6).to(v.dtype)
+        beta = torch.sigmoid(self.b_proj(x).float())  # (B, T, H)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())  # log gamma
+        if gdn_mask is not None:
+            keep = gdn_mask[:, -T:, None].to(beta.dtype)
+            beta, g = beta * keep, g * keep
+        return q, k, v, g, beta
+
+    def readout(self, q, k, v, g, beta, cache=None):
+        """Run the recurrence (chunked for prefill, step-wise for decode) and keep the state in the cache."""
+        state = None
+        if cache is not None:
+            layer = cache.layers[self.layer_idx]
+            if layer.is_recurrent_states_initialized[0]:
+                state = layer.recurrent_states[0]
+        o, final = gated_delta_rule(q, k, v, g, beta, scale=self.head_dim ** -0.5, initial_state=state,
+                                    output_final_state=cache is not None, backend=self.backend)
+        if cache is not None:
+            cache.update_recurrent_state(final, self.layer_idx)
+        return o  # (B, T, H, D)
+
+    def gate(self, x, o):
+        """Per-head norm and output gate, before o_proj: (B, T, H, D) -> (B, T, H, D)."""
+        if self.o_norm is not None:
+            o = self.o_norm(o)
+        if self.g_proj is not None:
+            B, T, _ = x.shape
+            o = o * _GATE[self.cfg.gate](self.g_proj(x).view(B, T, self.num_heads, self.head_dim)).to(o.dtype)
+        return o
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, gdn_mask=None, **kwargs):
+        """Same call signature as the teacher's attention module (masks and RoPE are ignored: position lives
+        in the decay; padding comes in as the 2-D `gdn_mask` the hybrid model passes down)."""
+        x = hidden_states
+        q, k, v, g, beta = self.features(x, cache, gdn_mask)
+        o = self.gate(x, self.readout(q, k, v, g, beta, cache))
+        B, T = x.shape[:2]
+        return self.o_proj(o.reshape(B, T, -1)), None
+
+
+# --- weight transfer and the library-default init ("copy", METHOD.md section 2) ------------------------------
+def _repeat_heads(w: torch.Tensor, num_kv: int, groups: int) -> torch.Tensor:
+    """(Hkv*D, ...) -> (Hkv*groups*D, ...): every query head h gets key/value head h // groups (GQA)."""
+    return w.reshape(num_kv, -1, *w.shape[1:]).repeat_interleave(groups, dim=0).reshape(-1, *w.shape[1:])
+
+
+@torch.no_grad()
+def copy_attention_weights(gdn: GatedDeltaNet, attn: nn.Module, num_kv_heads: int) -> None:
+    """q_proj <- W_Q, o_proj <- W_O, k/v_proj <- W_K/W_V with GQA heads repeated; biases carried (Qwen2)."""
+    groups = gdn.num_heads // num_kv_heads
+    gdn.q_proj.weight.copy_(attn.q_proj.weight)
+    gdn.o_proj.weight.copy_(attn.o_proj.weight)
+    for name in ("k_proj", "v_proj"):
+        getattr(gdn, name).weight.copy_(_repeat_heads(getattr(attn, name).weight, num_kv_heads, groups))
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        src, dst = getattr(attn, name).bias, getattr(gdn, name).bias
+        if (src is None) != (dst is None):
+            raise ValueError(f"{name} bias mismatch between teacher attention and GDN layer")
+        if src is not None:
+            dst.copy_(src if name in ("q_proj", "o_proj") else _repeat_heads(src, num_kv_heads, groups))
+
+
+@torch.no_grad()
+def init_recurrent_defaults(gdn: GatedDeltaNet, generator: torch.Generator) -> None:
+    """fla's default init of the new parameters: A ~ U(0, 16), dt ~ logU(1e-3, 1e-1) through softplus^-1,
+    xavier-uniform(gain 2^-2.5) gates, identity or default conv, unit o_norm."""
+    dev = gdn.A_log.device
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=generator).to(dev)
+
+    H = gdn.num_heads
+    gdn.A_log.copy_(torch.log(rand(H) * 16).clamp_min(-20.0))
+    dt = torch.exp(rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp_min(1e-4)
+    gdn.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+    for lin in (gdn.a_proj, gdn.b_proj, gdn.g_proj):
+        if lin is not None:
+            fan_out, fan_in = lin.weight.shape
+            bound = 2 ** -2.5 * math.sqrt(6.0 / (fan_in + fan_out))
+            lin.weight.copy_((rand(*lin.weight.shape) * 2 - 1) * bound)
+    if gdn.cfg.short_conv != "none":
+        for conv in (gdn.q_conv1d, gdn.k_conv1d, gdn.v_conv1d):
+            if gdn.cfg.short_conv == "identity":
+                conv.weight.zero_()
+                conv.weight[..., -1] = 1.0
+            else:  # nn.Conv1d's default: U(-1/sqrt(K), 1/sqrt(K)) for depthwise
+                bound = 1 / math.sqrt(conv.weight.shape[-1])
+                conv.weight.copy_((rand(*conv.weight.shape) * 2 - 1) * bound)
+    if gdn.o_norm is not None:
+        gdn.o_norm.weight.fill_(1.0)

