@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 from transformers import PreTrainedConfig
 
+from taylor_calibrate.data import CorpusSpec
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
@@ -101,22 +103,20 @@ def gdn_dict(cfg: GDNConfig) -> dict:
 
 
 @dataclass
-class DataArgs:
-    """Which text to calibrate on and which to evaluate on (never overlapping)."""
+class DataArgs(CorpusSpec):
+    """Which text to calibrate on and which to evaluate on (never overlapping documents)."""
 
-    corpus: str = "builtin"
-    """"builtin" (the Python standard library's source, offline), a text file, a directory, a .jsonl file,
-    a `datasets.save_to_disk` directory, or hf:<name>."""
-    text_field: str = "text"
-    """Field holding the text in jsonl / datasets corpora."""
-    heldout_fraction: float = 0.5
-    """Fraction of documents (by hash of their id) held out for evaluation."""
     seq_len: int = 1024
     """Tokens per sequence, for calibration and evaluation."""
     calib_seqs: int = 16
     """Number of calibration sequences."""
     eval_seqs: int = 32
     """Number of held-out sequences for perplexity."""
+
+    def __post_init__(self):
+        for name in ("seq_len", "calib_seqs", "eval_seqs"):
+            if getattr(self, name) < (2 if name == "seq_len" else 1):
+                raise ValueError(f"data option {name}={getattr(self, name)} is out of range (must be positive)")
 
 
 @dataclass

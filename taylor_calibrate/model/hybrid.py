@@ -141,8 +141,7 @@ def convert_teacher(teacher: PreTrainedModel, gdn_layers: list[int], gdn: GDNCon
     missing = [k for k in missing if not k.startswith(prefixes) and k != "lm_head.weight"]
     if missing or unexpected:
         raise RuntimeError(f"teacher -> hybrid weight map failed: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    if "lm_head.weight" not in teacher_state:  # tied embeddings
-        hybrid.tie_weights()
+    hybrid.tie_weights()  # re-share lm_head and embeddings when the teacher ties them (load_state_dict copied both)
     teacher_layers = teacher.model.layers
     for i, mixer in hybrid.gdn_mixers.items():
         copy_attention_weights(mixer, teacher_layers[i].self_attn, tcfg.num_key_value_heads)

@@ -1,0 +1,5 @@
+import sys
+
+from taylor_calibrate.cli import main
+
+sys.exit(main())

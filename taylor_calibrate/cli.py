@@ -1,0 +1,55 @@
+"""`taylor-calibrate <subcommand>`: each subcommand is one stage function fed by one argument dataclass.
+
+Flags and a YAML file (`--config run.yaml`, a dump of the same dataclass) both fill the arguments;
+`taylor-calibrate <subcommand> --print_config` prints the YAML of the current choices.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+from taylor_calibrate.config import ConvertArgs, EvalArgs
+from taylor_calibrate.convert import run_convert, run_eval
+
+COMMANDS = {
+    "convert": (ConvertArgs, run_convert),
+    "eval": (EvalArgs, run_eval),
+}
+
+
+def build_parser() -> ArgumentParser:
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # field docstrings become --help
+    parser = ArgumentParser(prog="taylor-calibrate", description=__doc__.splitlines()[0])
+    sub = parser.add_subcommands(dest="command")
+    for name, (args_cls, fn) in COMMANDS.items():
+        p = ArgumentParser(description=fn.__doc__)
+        p.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
+        p.add_class_arguments(args_cls, nested_key=None)
+        sub.add_subcommand(name, p, help=fn.__doc__)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "urllib3", "huggingface_hub", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    parser = build_parser()
+    cfg = parser.parse_args(argv)
+    name = cfg.command
+    args_cls, fn = COMMANDS[name]
+    sub_cfg = parser.instantiate_classes(cfg)[name]
+    sub_cfg.pop("config", None)
+    try:
+        args = args_cls(**{k: v for k, v in vars(sub_cfg).items() if not k.startswith("__")}) if not isinstance(
+            sub_cfg, dict) else args_cls(**sub_cfg)
+        fn(args)
+    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
+        print(f"taylor-calibrate {name}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
