@@ -31,22 +31,26 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def parse(argv: list[str] | None = None):
+    """argv -> (subcommand name, its argument dataclass)."""
+    parser = build_parser()
+    cfg = parser.parse_args(argv)
+    name = cfg.command
+    fields = vars(parser.instantiate(cfg)[name])
+    args_cls = COMMANDS[name][0]
+    return name, args_cls(**{k: v for k, v in fields.items() if k != "config" and not k.startswith("__")})
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "huggingface_hub", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    parser = build_parser()
-    cfg = parser.parse_args(argv)
-    name = cfg.command
-    args_cls, fn = COMMANDS[name]
-    sub_cfg = parser.instantiate_classes(cfg)[name]
-    sub_cfg.pop("config", None)
+    name = None
     try:
-        args = args_cls(**{k: v for k, v in vars(sub_cfg).items() if not k.startswith("__")}) if not isinstance(
-            sub_cfg, dict) else args_cls(**sub_cfg)
-        fn(args)
+        name, args = parse(argv)
+        COMMANDS[name][1](args)
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
-        print(f"taylor-calibrate {name}: error: {e}", file=sys.stderr)
+        print(f"taylor-calibrate {name or ''}: error: {e}", file=sys.stderr)
         return 2
     return 0
 

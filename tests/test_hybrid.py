@@ -1,0 +1,122 @@
+"""Hybrid model: teacher equivalence, conversion of every architecture, cached decoding, save/load."""
+import pytest
+import torch
+from conftest import ARCHS, tiny_teacher
+from transformers import AutoModelForCausalLM
+
+from taylor_calibrate import GDNConfig, HybridForCausalLM, convert_teacher
+from taylor_calibrate.model.gdn import GatedDeltaNet
+
+VOCAB = 97
+
+
+def _ids(b=2, t=24, seed=0):
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_zero_converted_layers_reproduce_teacher_exactly(arch):
+    teacher = tiny_teacher(arch)
+    hybrid = convert_teacher(teacher, [], GDNConfig())
+    ids = _ids()
+    assert torch.equal(hybrid(ids, use_cache=False).logits, teacher(ids, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("gdn_cfg", [GDNConfig(), GDNConfig(short_conv="random", gate="sigmoid", v_activation="identity"),
+                                     GDNConfig(output_norm=False, gate="none")], ids=["default", "conv", "plain"])
+def test_most_layers_converted_forward_backward_finite(arch, gdn_cfg):
+    teacher = tiny_teacher(arch)
+    hybrid = convert_teacher(teacher, [1, 2, 3], gdn_cfg).train()
+    assert set(hybrid.gdn_mixers) == {1, 2, 3}
+    assert all(isinstance(m, GatedDeltaNet) for m in hybrid.gdn_mixers.values())
+    ids = _ids()
+    out = hybrid(ids, labels=ids, use_cache=False)
+    assert torch.isfinite(out.logits).all()
+    out.loss.backward()
+    grads = [p.grad for p in hybrid.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    mixer = hybrid.gdn_mixers[2]
+    for name in ("A_log", "dt_bias", "a_proj", "b_proj", "q_proj"):
+        p = getattr(mixer, name)
+        g = p.grad if isinstance(p, torch.nn.Parameter) else p.weight.grad
+        assert g.abs().sum() > 0, f"{name} gets no gradient"
+
+
+def test_weight_transfer_repeats_gqa_heads():
+    teacher = tiny_teacher("qwen2")  # 4 query / 2 KV heads, with q/k/v biases
+    hybrid = convert_teacher(teacher, [1], GDNConfig())
+    attn, gdn = teacher.model.layers[1].self_attn, hybrid.gdn_mixers[1]
+    D = 16
+    assert torch.equal(gdn.q_proj.weight, attn.q_proj.weight) and torch.equal(gdn.q_proj.bias, attn.q_proj.bias)
+    assert torch.equal(gdn.o_proj.weight, attn.o_proj.weight)
+    for h in range(4):  # query head h reads KV head h // 2
+        kv = h // 2
+        assert torch.equal(gdn.k_proj.weight[h * D:(h + 1) * D], attn.k_proj.weight[kv * D:(kv + 1) * D])
+        assert torch.equal(gdn.v_proj.bias[h * D:(h + 1) * D], attn.v_proj.bias[kv * D:(kv + 1) * D])
+    # kept layers and MLPs are the teacher's weights
+    assert torch.equal(hybrid.model.layers[1].mlp.up_proj.weight, teacher.model.layers[1].mlp.up_proj.weight)
+    assert torch.equal(hybrid.model.layers[0].self_attn.q_proj.weight, teacher.model.layers[0].self_attn.q_proj.weight)
+
+
+@pytest.mark.parametrize("short_conv", ["none", "random"])
+def test_cached_decoding_equals_full_forward(arch, short_conv):
+    teacher = tiny_teacher(arch)
+    hybrid = convert_teacher(teacher, [1, 2], GDNConfig(short_conv=short_conv))
+    ids = _ids(t=30)
+    full = hybrid(ids, use_cache=False).logits
+    out = hybrid(ids[:, :17], use_cache=True)
+    cache, logits = out.cache, [out.logits]
+    for t in range(17, 30):
+        out = hybrid(ids[:, t:t + 1], cache=cache, use_cache=True)
+        logits.append(out.logits)
+    torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_with_hybrid_cache_and_left_padding():
+    teacher = tiny_teacher("llama")
+    hybrid = convert_teacher(teacher, [1, 3], GDNConfig(short_conv="random"))
+    hybrid.generation_config.pad_token_id = 0
+    prompt = _ids(b=1, t=9)
+    alone = hybrid.generate(prompt, max_new_tokens=6, do_sample=False)
+    # the same prompt left-padded in a batch must generate the same tokens (padding invisible to GDN and attention)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], 1)
+    batch = torch.cat([padded, _ids(b=1, t=12, seed=1)], 0)
+    mask = torch.ones_like(batch)
+    mask[0, :3] = 0
+    both = hybrid.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(both[0, -6:], alone[0, -6:])
+
+
+def test_save_load_roundtrip_identical_logits(tmp_path, arch):
+    teacher = tiny_teacher(arch, tie_word_embeddings=(arch == "llama"))
+    hybrid = convert_teacher(teacher, [0, 2], GDNConfig(short_conv="identity"))
+    hybrid.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=hybrid.config._attn_implementation)
+    assert isinstance(loaded, HybridForCausalLM)
+    assert loaded.config.layer_types == hybrid.config.layer_types
+    ids = _ids()
+    assert torch.equal(loaded(ids, use_cache=False).logits, hybrid(ids, use_cache=False).logits)
+    if arch == "llama":
+        assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_layer_types_record_conversion():
+    teacher = tiny_teacher("gemma3_text")
+    hybrid = convert_teacher(teacher, [1], GDNConfig())
+    assert hybrid.config.layer_types == ["sliding_attention", "linear_attention", "sliding_attention", "full_attention"]
+    assert hybrid.config.gdn_layers == [1]
+
+
+def test_bad_gdn_options_are_named():
+    with pytest.raises(ValueError, match="short_conv"):
+        GDNConfig(short_conv="yes")
+    with pytest.raises(ValueError, match="conv_size"):
+        GDNConfig(short_conv="identity", conv_size=0)
+    with pytest.raises(ValueError, match="unknown GDN option"):
+        GDNConfig.from_dict({"shortconv": "none"})
+
+
+@pytest.mark.parametrize("arch_name", ARCHS)
+def test_every_supported_arch_builds_from_config(arch_name):
+    from taylor_calibrate.teacher import check_architecture
+
+    check_architecture(tiny_teacher(arch_name).config)

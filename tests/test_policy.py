@@ -1,0 +1,35 @@
+"""Layer policies: which layers stay softmax attention."""
+import pytest
+
+from taylor_calibrate.policy import gdn_layers, kept_layers
+
+
+def test_uniform_keeps_every_kth_from_zero():
+    assert kept_layers("uniform", 30, 4) == [0, 4, 8, 12, 16, 20, 24, 28]
+    assert gdn_layers([0, 4], 6) == [1, 2, 3, 5]
+
+
+def test_explicit_list_and_ranges():
+    assert kept_layers("layers=8,0,4", 12) == [0, 4, 8]
+    assert kept_layers("layers=0-2,7", 12) == [0, 1, 2, 7]
+
+
+@pytest.mark.parametrize("policy, match", [
+    ("layers=0,30", "out of range"),
+    ("layers=-1", "bad layer list entry|out of range"),
+    ("layers=1,1", "more than once"),
+    ("layers=a", "bad layer list entry"),
+    ("layers=", "keeps no attention layer"),
+    ("layers=0-29", "nothing would be converted"),
+    ("greedyish", "unknown layer policy"),
+])
+def test_bad_policies_get_clear_errors(policy, match):
+    with pytest.raises(ValueError, match=match):
+        kept_layers(policy, 30)
+
+
+def test_keep_every_out_of_range():
+    with pytest.raises(ValueError, match="keep_every"):
+        kept_layers("uniform", 30, 0)
+    with pytest.raises(ValueError, match="nothing would be converted"):
+        kept_layers("uniform", 30, 1)

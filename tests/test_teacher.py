@@ -1,0 +1,64 @@
+"""Teacher loading: clear errors for everything a user can get wrong."""
+import pytest
+from conftest import tiny_config
+
+from taylor_calibrate.teacher import check_architecture, load_teacher, resolve_device, resolve_dtype
+
+
+def test_unsupported_architecture_lists_supported():
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("gpt2", n_layer=1)
+    with pytest.raises(ValueError, match="unsupported teacher architecture 'gpt2'.*llama, qwen2, qwen3, mistral"):
+        check_architecture(cfg)
+
+
+def test_local_checkpoint_roundtrip(tmp_path):
+    from conftest import tiny_teacher
+
+    teacher = tiny_teacher("qwen3")
+    teacher.save_pretrained(tmp_path)
+    # a tokenizer is needed beside it: reuse a tiny one built offline
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path)
+    loaded = load_teacher(str(tmp_path))
+    assert loaded.model.config.model_type == "qwen3"
+    assert not any(p.requires_grad for p in loaded.model.parameters())
+
+
+def test_unsupported_local_checkpoint(tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("gpt2", n_layer=1).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="unsupported teacher architecture"):
+        load_teacher(str(tmp_path))
+
+
+@pytest.mark.parametrize("spec, err, match", [
+    ("/nonexistent/model.gguf", FileNotFoundError, "does not exist"),
+    ("./no/such/dir", FileNotFoundError, "neither an HF checkpoint directory"),
+])
+def test_missing_paths(spec, err, match):
+    with pytest.raises(err, match=match):
+        load_teacher(spec)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_teacher(str(tmp_path))
+
+
+def test_unreachable_hub_id(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError, match="hub is not reachable"):
+        load_teacher("some-org/some-model-that-is-not-cached")
+
+
+def test_device_and_dtype_options():
+    assert resolve_device("cpu").type == "cpu"
+    with pytest.raises(ValueError, match="dtype='fp8'"):
+        resolve_dtype("fp8", resolve_device("cpu"))
