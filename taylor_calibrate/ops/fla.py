@@ -1,0 +1,165 @@
+"""flash-linear-attention's fused Triton kernels for the gated delta rule (METHOD.md section 2).
+
+The only module of the package that imports fla, and only inside functions, so importing it never
+fails on a machine without fla or without a GPU. The wrappers take exactly the arguments of the
+references in ops/reference.py and return the same things; tests/test_ops.py holds them to it.
+
+fla 0.6.0 facts this module relies on (read off its source):
+  * `chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+    use_qk_l2norm_in_kernel, ..., cu_seqlens, **kwargs)`; `chunk_size` (16, 32 or 64) goes through
+    **kwargs; `head_first` is gone (raises): inputs are (B, T, H, D). It returns o in q.dtype.
+  * `fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, ...)`: `gk` and
+    `gv` sit between g and beta, so everything after v must be passed by keyword. It returns o in
+    v.dtype and has NO backward (raises NotImplementedError), so it is for decoding only.
+  * State (N, H, K, V), K-first unless `state_v_first=True`; final state is always fp32.
+  * g is log-space decay, kept fp32 (as fla's GatedDeltaNet layer passes it); q, k, v bf16/fp16/fp32.
+  * On Hopper with 3.4 <= Triton < 3.7.1 the chunked backward raises rather than return wrong
+    gradients (fla issue #640): `check_fla_backward` turns that into an actionable message.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+INSTALL_HINT = "pip install flash-linear-attention fla-core"
+FIX_BACKWARD = (
+    "Fix: install tilelang (`pip install tilelang`) or upgrade Triton to >=3.7.1 "
+    "(`pip install -U 'triton>=3.7.1'`), or use `--backend torch`."
+)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def fla_unavailable_reason() -> str | None:
+    """None when the fla kernels can run here, else a short reason ("fla not installed / no CUDA")."""
+    reasons = []
+    if importlib.util.find_spec("fla") is None:
+        reasons.append("fla not installed")
+    if not torch.cuda.is_available():
+        reasons.append("no CUDA")
+    if not reasons:
+        try:
+            import fla.ops.gated_delta_rule  # noqa: F401
+        except Exception as e:  # a broken Triton install fails here, not at find_spec
+            reasons.append(f"import fla.ops.gated_delta_rule failed: {type(e).__name__}: {e}")
+    return " / ".join(reasons) or None
+
+
+def fla_available() -> bool:
+    """fla is importable and a CUDA GPU is visible."""
+    return fla_unavailable_reason() is None
+
+
+def _prepare(q, k, v, g, beta, initial_state):
+    """Check device and dtype, then cast to what fla's kernels were tested with."""
+    if q.device.type != "cuda":
+        raise ValueError(
+            f"GDN backend 'fla' runs Triton kernels on a CUDA GPU, but the inputs are on {q.device}. "
+            "Move the model to the GPU or use `--backend torch`."
+        )
+    if q.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"fla's kernels take bf16/fp16/fp32 inputs, got {q.dtype}; use `--backend torch` for fp64.")
+    k, v, beta = k.to(q.dtype), v.to(q.dtype), beta.to(q.dtype)
+    g = g.float()  # log decay: accumulated by a cumsum inside the kernel, keep it fp32
+    if initial_state is not None:
+        initial_state = initial_state.float()  # the kernels keep the state in fp32
+    return q, k, v, g, beta, initial_state
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla's chunked kernel (forward and backward): the training / prefill path on a GPU."""
+    out_dtype = v.dtype
+    q, k, v, g, beta, initial_state = _prepare(q, k, v, g, beta, initial_state)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    o, final_state = fla_chunk(
+        q, k, v, g, beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        chunk_size=chunk_size,
+    )
+    return o.to(out_dtype), final_state
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla's fused recurrent kernel: forward only (no backward in fla), for token-by-token decoding."""
+    out_dtype = v.dtype
+    q, k, v, g, beta, initial_state = _prepare(q, k, v, g, beta, initial_state)
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+
+    o, final_state = fla_recurrent(
+        q, k, v,
+        g=g,  # by keyword: fla's signature has gk, gv between g and beta
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+    )
+    return o.to(out_dtype), final_state
+
+
+@functools.cache
+def check_fla_backward() -> str | None:
+    """Run a tiny forward + backward through fla's chunk kernel once; None if it works, else why not.
+
+    fla refuses the chunked backward on some GPU / Triton combinations (Hopper with
+    3.4 <= Triton < 3.7.1); finding that out before a training run starts beats a crash at step 1.
+    """
+    reason = fla_unavailable_reason()
+    if reason is not None:
+        return (
+            f"GDN backend 'fla' is unavailable ({reason}): `{INSTALL_HINT}` on a CUDA machine, "
+            "or use `--backend torch`."
+        )
+    try:
+        B, T, H, K, V = 1, 80, 2, 64, 64  # two chunks, the second one partial
+        gen = torch.Generator(device="cuda").manual_seed(0)
+
+        def randn(*shape):
+            return torch.randn(*shape, device="cuda", generator=gen)
+
+        q, k = (torch.nn.functional.normalize(randn(B, T, H, K), dim=-1).bfloat16() for _ in range(2))
+        v = randn(B, T, H, V).bfloat16()
+        g = torch.nn.functional.logsigmoid(randn(B, T, H))
+        beta = randn(B, T, H).sigmoid().bfloat16()
+        h0 = randn(B, H, K, V)
+        for x in (q, k, v, g, beta, h0):
+            x.requires_grad_(True)
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        (o.float().sum() + ht.sum()).backward()
+        torch.cuda.synchronize()
+    except Exception as e:
+        import triton
+
+        return (
+            f"fla's chunked gated-delta-rule backward does not run here "
+            f"({torch.cuda.get_device_name()}, Triton {triton.__version__}): {type(e).__name__}: {e}\n{FIX_BACKWARD}"
+        )
+    return None
