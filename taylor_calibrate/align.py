@@ -1,0 +1,397 @@
+"""Phase 2: teacher-forced per-layer gradient alignment (METHOD.md section 4).
+
+Every converted layer l is trained on its own to reproduce the teacher's attention output from the teacher's own
+input to that layer:
+
+    inputs[l]   (N, T, hidden)  the teacher's input to layer l's attention (after input_layernorm)
+    targets[l]  (N, T, hidden)  the teacher's attention output of layer l, after o_proj
+    loss_l = MSE(mixer_l(inputs[l]), targets[l])          rel-MSE_l = MSE_l / Var(targets[l])
+
+Teacher forcing makes the layers independent, so all of them train in one loop over the same stored rows, with no
+teacher forward: for every step, for every layer, forward -> loss -> backward -> clip -> AdamW step. Each layer has
+its own optimizer, its own gradient clipping and its own divergence guard; the only thing layers share is which
+rows a step uses.
+
+Choices (the reference's are in METHOD.md section 3a):
+- Parameter groups: new recurrent parameters (a_proj, b_proj, g_proj, A_log, dt_bias, short convs) at `lr`, the copied
+  q/k/v projections (weights and biases) at `lr_qkv`; o_proj (`lr_o`) and o_norm (`lr`) only when asked - the
+  reference freezes both. Weight decay applies to every trained parameter, as in the reference.
+- Best state: every `log_every` steps and at the end, rel-MSE is measured on fixed evaluation rows (the first
+  `eval_rows` stored rows, full length, no grad) and the parameters with the lowest value so far are kept; the
+  initial state is the first candidate, so alignment never leaves a layer worse on those rows than it found it.
+  The reference keeps the lowest *training-batch* loss instead, which with mini-batches rewards an easy batch rather
+  than a better layer. The evaluation rows are part of the training rows (they are not held out).
+- Divergence: a non-finite loss or gradient norm is recorded on the device without a host sync; at the next
+  evaluation point the layer is restored to its best state and stops training (`diverged_at` in its report).
+- Precision: parameters train in fp32 (a bf16/fp16 mixer is upcast for the run and cast back at the end); on CUDA
+  the forward runs under bf16 autocast, the loss in fp32. `rel_mse_after` is measured after the cast back.
+- Steps are counted from 1: `best_step` k is the state after k optimizer steps (0 = the state alignment started
+  from), `diverged_at` k means the k-th step's loss or gradient was non-finite.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from taylor_calibrate.model.gdn import GatedDeltaNet
+
+log = logging.getLogger("taylor_calibrate")
+
+SCHEDULES = ("constant", "cosine")
+
+# Which optimizer group each parameter of a GatedDeltaNet belongs to (by its top-level module/parameter name).
+_GROUP_OF = {
+    "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
+    "a_proj": "new", "b_proj": "new", "g_proj": "new", "A_log": "new", "dt_bias": "new",
+    "q_conv1d": "new", "k_conv1d": "new", "v_conv1d": "new",
+    "o_norm": "o_norm", "o_proj": "o_proj",
+}
+
+
+@dataclass
+class AlignArgs:
+    """Phase 2 (METHOD.md section 4): per-layer alignment of each GDN mixer to the teacher's attention output."""
+
+    steps: int = 300
+    """Optimizer steps per layer."""
+    batch_size: int = 4
+    """Sequences per step, cycled deterministically through the stored rows (a seeded permutation per epoch)."""
+    seq_len: int | None = None
+    """Crop training rows to their first seq_len tokens (cheaper steps on CPU); None = full rows. Evaluation
+    always uses full rows."""
+    lr: float = 1e-3
+    """Learning rate of the new recurrent parameters: a_proj, b_proj, g_proj, A_log, dt_bias, short convs, and
+    o_norm when it trains."""
+    lr_qkv: float = 1e-4
+    """Learning rate of the copied projections q_proj, k_proj, v_proj."""
+    lr_o: float = 1e-4
+    """Learning rate of o_proj (when it trains)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay, on every trained parameter (as the reference)."""
+    grad_clip: float = 1.0
+    """Max gradient norm, per layer (<= 0: no clipping)."""
+    train_o_proj: bool = False
+    """Also train o_proj (the reference freezes it)."""
+    train_o_norm: bool = False
+    """Also train o_norm's weight (the reference freezes it)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup over this many steps (0 = none, as the reference)."""
+    schedule: str = "constant"
+    """Learning rate after warmup: "constant" (the reference) or "cosine" (decay to 10% at the last step)."""
+    seed: int = 0
+    """Seed of the row order."""
+    log_every: int = 50
+    """Evaluate (and keep the best state) every this many steps, and at the end."""
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"align option schedule={self.schedule!r} is not one of {SCHEDULES}")
+        for name in ("batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"align option {name}={getattr(self, name)} must be >= 1")
+        for name in ("steps", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"align option {name}={getattr(self, name)} must be >= 0")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ValueError(f"align option seq_len={self.seq_len} must be >= 1 or None")
+
+
+def lr_factor(step: int, args: AlignArgs) -> float:
+    """Multiplier of the base learning rates for optimizer step `step` (1-based)."""
+    if step <= args.warmup_steps:
+        return step / args.warmup_steps
+    if args.schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)  # (0, 1]
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def batch_indices(num_rows: int, batch_size: int, steps: int, seed: int) -> Tensor:
+    """(steps, batch_size) row indices: seeded permutations of range(num_rows), one per epoch, concatenated."""
+    g = torch.Generator().manual_seed(seed)
+    need = steps * batch_size
+    perms = [torch.randperm(num_rows, generator=g) for _ in range(-(-need // num_rows))]
+    return torch.cat(perms)[:need].view(steps, batch_size) if perms else torch.zeros(0, batch_size, dtype=torch.long)
+
+
+def _group_of(name: str) -> str:
+    top = name.split(".")[0]
+    if top not in _GROUP_OF:  # a new parameter of GatedDeltaNet must be placed deliberately, not frozen silently
+        raise ValueError(f"align: parameter {name!r} of GatedDeltaNet has no optimizer group")
+    return _GROUP_OF[top]
+
+
+def trained_parameters(mixer: GatedDeltaNet, args: AlignArgs) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
+    """Trained parameters of one mixer by group ("new", "qkv", "o_proj", "o_norm"); frozen groups are left out."""
+    groups: dict[str, list] = {"new": [], "qkv": []}
+    if args.train_o_proj:
+        groups["o_proj"] = []
+    if args.train_o_norm:
+        groups["o_norm"] = []
+    for name, p in mixer.named_parameters():
+        group = _group_of(name)
+        if group in groups:
+            groups[group].append((name, p))
+    return {k: v for k, v in groups.items() if v}
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def rel_mse(mixer: GatedDeltaNet, inputs: Tensor, targets: Tensor, batch_size: int = 4) -> float:
+    """MSE(mixer(inputs), targets) / Var(targets) over all rows given, `batch_size` rows per forward.
+
+    Var is the population variance of all target entries (one scalar per layer); sums are fp64. On CUDA the
+    forward runs under bf16 autocast, as in training."""
+    p = next(mixer.parameters())
+    sums = torch.zeros(3, device=p.device, dtype=torch.float64)  # sum (out - y)^2, sum y, sum y^2
+    for i in range(0, inputs.shape[0], batch_size):
+        x = inputs[i:i + batch_size].to(p.device, p.dtype if p.is_floating_point() else torch.float32)
+        y = targets[i:i + batch_size].to(p.device, torch.float64)
+        with _autocast(p.device):
+            out = mixer(x)[0]
+        sums += torch.stack([(out.double() - y).pow(2).sum(), y.sum(), y.pow(2).sum()])
+    mse, mean, mean_sq = (sums / targets.numel()).tolist()
+    var = mean_sq - mean * mean
+    return mse / var if var > 0 else float("nan")
+
+
+def _check_data(mixers, inputs, targets) -> int:
+    """Number of stored rows, the same for every layer (a step uses the same rows in every layer)."""
+    if not mixers:
+        raise ValueError("align_layers: no mixers given")
+    shapes = set()
+    for l, m in mixers.items():
+        if l not in inputs or l not in targets:
+            raise ValueError(f"align_layers: layer {l} has no stored inputs/targets")
+        x, y = inputs[l], targets[l]
+        hidden = m.o_proj.out_features
+        if x.ndim != 3 or x.shape != y.shape or x.shape[-1] != hidden:
+            raise ValueError(f"align_layers: layer {l} inputs {tuple(x.shape)} / targets {tuple(y.shape)} must both "
+                             f"be (N, T, {hidden})")
+        shapes.add(tuple(x.shape[:2]))
+    if len({n for n, _ in shapes}) != 1:
+        raise ValueError(f"align_layers: every layer needs the same number of stored rows, got {sorted(shapes)}")
+    return next(iter(shapes))[0]
+
+
+def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], targets: dict[int, Tensor],
+                 args: AlignArgs, *, eval_rows: int | None = None) -> dict:
+    """Train every mixer (in place) to reproduce its layer's teacher attention output; returns the report
+
+        {"layers": {l: {"rel_mse_before", "rel_mse_after", "best_step", "diverged_at", "best_eval_rel_mse",
+                        "best_train_loss", "best_train_step", "wall_s", "trained_params"}},
+         "mean_rel_mse_before", "mean_rel_mse_after", "wall_s", "steps", "tokens_per_step", "eval_rows"}
+
+    Mixers stay where they are (device); stored rows may live elsewhere (e.g. CPU) and move a batch at a time.
+    requires_grad flags, train/eval mode and parameter dtypes are restored at the end, even on error.
+    """
+    t_start = time.perf_counter()
+    layers = sorted(mixers)
+    n_rows = _check_data(mixers, inputs, targets)
+    n_eval = min(n_rows, 4 if eval_rows is None else eval_rows)
+    if n_eval < 1:
+        raise ValueError(f"align_layers: eval_rows={eval_rows} must be >= 1")
+    batch = min(args.batch_size, n_rows)
+    if batch < args.batch_size:
+        log.info("align: batch_size %d > %d stored rows; using %d", args.batch_size, n_rows, batch)
+    idx = batch_indices(n_rows, batch, args.steps, args.seed)  # same rows for every layer at a given step
+    crop = slice(None) if args.seq_len is None else slice(0, args.seq_len)
+    seq = inputs[layers[0]][:, crop].shape[1]
+
+    saved_flags = {l: [(p, p.requires_grad) for p in mixers[l].parameters()] for l in layers}
+    saved_mode = {l: mixers[l].training for l in layers}
+    saved_dtype = {l: [(p, p.dtype) for p in mixers[l].parameters()] for l in layers}
+    try:
+        st = {l: _LayerState(l, mixers[l], inputs[l], targets[l], n_eval, batch, args) for l in layers}
+        before = {l: st[l].evaluate(0) for l in layers}
+        bar = tqdm(range(1, args.steps + 1), desc="align", leave=False, disable=args.steps == 0)
+        for step in bar:
+            rows = idx[step - 1]
+            factor = lr_factor(step, args)
+            for l in layers:
+                if st[l].active:
+                    st[l].train_step(step, rows, crop, factor)
+            if step % args.log_every == 0 or step == args.steps:
+                for l in layers:
+                    if st[l].active:
+                        st[l].check(step)
+                bar.set_postfix(rel_mse=f"{sum(s.current for s in st.values()) / len(layers):.4f}")
+        bar.close()
+        report_layers = {}
+        for l in layers:
+            s = st[l]
+            s.restore_best()
+            _restore_dtypes(saved_dtype[l])
+            mixers[l].eval()
+            after = rel_mse(mixers[l], inputs[l][:n_eval], targets[l][:n_eval], batch)
+            report_layers[l] = dict(rel_mse_before=before[l], rel_mse_after=after, best_step=s.best_step,
+                                    diverged_at=s.diverged_at, best_eval_rel_mse=s.best_eval,
+                                    trained_params=s.num_trained, **s.train_summary())
+    finally:
+        for l in layers:
+            _restore_dtypes(saved_dtype[l])
+            for p, flag in saved_flags[l]:
+                p.requires_grad_(flag)
+            mixers[l].train(saved_mode[l])
+
+    report = {
+        "layers": report_layers,
+        "mean_rel_mse_before": sum(r["rel_mse_before"] for r in report_layers.values()) / len(layers),
+        "mean_rel_mse_after": sum(r["rel_mse_after"] for r in report_layers.values()) / len(layers),
+        "wall_s": time.perf_counter() - t_start,
+        "steps": args.steps,
+        "tokens_per_step": batch * seq,
+        "eval_rows": n_eval,
+    }
+    _print_table(report)
+    return report
+
+
+class _LayerState:
+    """One layer's optimizer, best state and divergence record. Device-side scalars avoid per-step host syncs."""
+
+    def __init__(self, layer: int, mixer: GatedDeltaNet, x: Tensor, y: Tensor, n_eval: int, batch: int,
+                 args: AlignArgs):
+        self.layer, self.mixer, self.x, self.y, self.args = layer, mixer, x, y, args
+        self.eval_x, self.eval_y, self.eval_batch = x[:n_eval], y[:n_eval], batch
+        for p in mixer.parameters():
+            p.requires_grad_(False)
+            if p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()  # fp32 master weights for AdamW; cast back at the end
+        groups = trained_parameters(mixer, args)
+        lrs = {"new": args.lr, "qkv": args.lr_qkv, "o_proj": args.lr_o, "o_norm": args.lr}
+        self.named = [(n, p) for g in groups.values() for n, p in g]
+        for _, p in self.named:
+            p.requires_grad_(True)
+        self.params = [p for _, p in self.named]
+        self.num_trained = sum(p.numel() for p in self.params)
+        self.base_lrs = [lrs[g] for g in groups]
+        self.opt = torch.optim.AdamW([{"params": [p for _, p in groups[g]], "lr": lrs[g]} for g in groups],
+                                     weight_decay=args.weight_decay)
+        self.device = self.params[0].device if self.params else next(mixer.parameters()).device
+        self.max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
+        self.best_train = torch.full((), float("inf"), device=self.device)
+        self.best_train_step = torch.zeros((), dtype=torch.long, device=self.device)
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=self.device)
+        self.active, self.diverged_at = bool(self.params) and args.steps > 0, None
+        self.best_eval, self.best_step, self.best_state, self.current = float("inf"), 0, None, float("nan")
+        self.timing = _Timer(self.device)
+
+    def train_step(self, step: int, rows: Tensor, crop: slice, factor: float) -> None:
+        with self.timing:
+            for group, base in zip(self.opt.param_groups, self.base_lrs):
+                group["lr"] = base * factor
+            x = self.x[rows.to(self.x.device), crop].to(self.device, torch.float32, non_blocking=True)
+            y = self.y[rows.to(self.y.device), crop].to(self.device, torch.float32, non_blocking=True)
+            self.mixer.train()
+            with _autocast(self.device):
+                out = self.mixer(x)[0]
+            loss = F.mse_loss(out.float(), y)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            loss = loss.detach()
+            ok = torch.isfinite(loss) & torch.isfinite(norm)
+            self.first_bad = torch.where((self.first_bad < 0) & ~ok, step, self.first_bad)
+            better = ok & (loss < self.best_train)
+            self.best_train = torch.where(better, loss, self.best_train)
+            self.best_train_step = torch.where(better, step, self.best_train_step)
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> float:
+        """rel-MSE on the eval rows; keeps a copy of the parameters when it is the best so far."""
+        self.mixer.eval()
+        r = rel_mse(self.mixer, self.eval_x, self.eval_y, self.eval_batch)
+        self.current = r
+        if math.isfinite(r) and r < self.best_eval:
+            self.best_eval, self.best_step = r, step
+            if self.best_state is None:
+                self.best_state = [p.detach().clone() for p in self.params]
+            else:
+                for b, p in zip(self.best_state, self.params):
+                    b.copy_(p)
+        return r
+
+    def check(self, step: int) -> None:
+        """Evaluation point: stop on divergence (restoring the best state), else evaluate and keep the best."""
+        bad = int(self.first_bad.item())
+        if bad < 0:
+            r = self.evaluate(step)
+            if math.isfinite(r):
+                return
+            bad = step  # finite loss and gradients but a non-finite output on the eval rows
+        self.diverged_at, self.active, self.opt = bad, False, None  # its optimizer state is NaN: drop it
+        self.restore_best()
+        self.current = self.best_eval
+        log.warning("align: layer %d diverged (non-finite loss or gradient) at step %d; restored its state from "
+                    "step %d and stopped training it", self.layer, bad, self.best_step)
+
+    @torch.no_grad()
+    def restore_best(self) -> None:
+        if self.best_state is None:  # the initial state was already non-finite: nothing better to go back to
+            return
+        for p, b in zip(self.params, self.best_state):
+            p.copy_(b)
+
+    def train_summary(self) -> dict:
+        best = float(self.best_train.item())
+        return dict(best_train_loss=best if math.isfinite(best) else None,
+                    best_train_step=int(self.best_train_step.item()) if math.isfinite(best) else None,
+                    wall_s=self.timing.total())
+
+
+class _Timer:
+    """Accumulated time of a code block: CUDA events on a GPU (no host sync until `total`), perf_counter else."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events, self.seconds, self.t0 = [], 0.0, 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self.events[-1][0].record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.events[-1][1].record()
+        else:
+            self.seconds += time.perf_counter() - self.t0
+
+    def total(self) -> float:
+        if self.cuda and self.events:
+            torch.cuda.synchronize()
+            self.seconds, self.events = self.seconds + sum(a.elapsed_time(b) for a, b in self.events) / 1e3, []
+        return self.seconds
+
+
+def _restore_dtypes(saved: list[tuple[torch.nn.Parameter, torch.dtype]]) -> None:
+    for p, dtype in saved:
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def _print_table(report: dict) -> None:
+    print(f"\nalignment: {report['steps']} steps x {report['tokens_per_step']} tokens per layer, "
+          f"rel-MSE on {report['eval_rows']} eval rows, {report['wall_s']:.1f} s")
+    print(f"  {'layer':>5}  {'before':>10}  {'after':>10}  {'best step':>9}  note")
+    for l, r in report["layers"].items():
+        note = f"diverged at step {r['diverged_at']}" if r["diverged_at"] is not None else ""
+        print(f"  {l:>5}  {r['rel_mse_before']:>10.4f}  {r['rel_mse_after']:>10.4f}  {r['best_step']:>9}  {note}")
+    print(f"  {'mean':>5}  {report['mean_rel_mse_before']:>10.4f}  {report['mean_rel_mse_after']:>10.4f}")

@@ -1,0 +1,181 @@
+"""Phase 2 alignment (taylor_calibrate/align.py) on a tiny random Llama teacher, CPU."""
+import math
+
+import pytest
+import torch
+
+from taylor_calibrate import GDNConfig, convert_teacher
+from taylor_calibrate.align import AlignArgs, align_layers, batch_indices, lr_factor, rel_mse
+from conftest import tiny_teacher
+
+LAYERS = (1, 2)
+N, T = 6, 32
+FAST = dict(steps=60, lr=1e-2, lr_qkv=1e-3, batch_size=2, log_every=10)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These shapes are far too small for intra-op threads; with a busy CPU, spinning OpenMP workers made the
+    module 100x slower. One thread keeps it fast and unaffected by other load."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def teacher_data(one_thread):
+    """Teacher inputs to / outputs of self_attn of layers 1 and 2, captured by hooks on random token rows."""
+    teacher = tiny_teacher("llama")
+    ids = torch.randint(0, teacher.config.vocab_size, (N, T), generator=torch.Generator().manual_seed(0))
+    inputs, targets, handles = {}, {}, []
+    for i in LAYERS:
+        attn = teacher.model.layers[i].self_attn
+
+        def pre(module, args, kwargs, i=i):
+            inputs[i] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach().clone()
+
+        def post(module, args, kwargs, output, i=i):
+            targets[i] = output[0].detach().clone()
+
+        handles += [attn.register_forward_pre_hook(pre, with_kwargs=True),
+                    attn.register_forward_hook(post, with_kwargs=True)]
+    with torch.no_grad():
+        teacher(input_ids=ids, use_cache=False)
+    for h in handles:
+        h.remove()
+    return teacher, inputs, targets
+
+
+def fresh_mixers(teacher):
+    return convert_teacher(teacher, list(LAYERS), GDNConfig()).gdn_mixers
+
+
+def test_alignment_lowers_rel_mse_and_reports_it(teacher_data):
+    teacher, inputs, targets = teacher_data
+    mixers = fresh_mixers(teacher)
+    mixers[2].q_proj.weight.requires_grad_(False)  # a non-default flag: must come back as it was
+    mixers[1].train()  # and a non-default mode
+    flags = {l: {n: p.requires_grad for n, p in m.named_parameters()} for l, m in mixers.items()}
+    frozen = {l: {n: p.detach().clone() for n, p in m.named_parameters() if n.startswith(("o_proj", "o_norm"))}
+              for l, m in mixers.items()}
+    trained = {l: {n: p.detach().clone() for n, p in m.named_parameters() if not n.startswith(("o_proj", "o_norm"))}
+               for l, m in mixers.items()}
+
+    report = align_layers(mixers, inputs, targets, AlignArgs(**FAST))
+
+    assert report["steps"] == 60 and report["tokens_per_step"] == 2 * T and report["eval_rows"] == 4
+    for l, m in mixers.items():
+        r = report["layers"][l]
+        assert r["diverged_at"] is None
+        assert r["rel_mse_after"] < 0.7 * r["rel_mse_before"], r
+        assert 0 < r["best_step"] <= 60 and r["best_step"] % 10 == 0
+        assert r["best_train_loss"] is not None and 1 <= r["best_train_step"] <= 60
+        # the report's numbers are what a plain recomputation on the first 4 rows gives
+        with torch.no_grad():
+            x, y = inputs[l][:4], targets[l][:4]
+            direct = ((m(x)[0] - y).pow(2).mean() / y.var(unbiased=False)).item()
+        assert math.isclose(r["rel_mse_after"], direct, rel_tol=1e-5)
+        assert math.isclose(rel_mse(m, x, y), direct, rel_tol=1e-5)
+        for n, p in m.named_parameters():
+            assert p.requires_grad == flags[l][n], n
+            if n in frozen[l]:
+                assert torch.equal(p, frozen[l][n]), f"frozen {n} of layer {l} changed"
+        for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "a_proj.weight", "b_proj.weight",
+                  "g_proj.weight", "A_log", "dt_bias"):
+            assert not torch.equal(m.get_parameter(n), trained[l][n]), f"{n} of layer {l} did not train"
+    assert mixers[1].training and not mixers[2].training
+    assert report["mean_rel_mse_after"] < report["mean_rel_mse_before"]
+
+
+def test_train_o_proj_and_o_norm(teacher_data):
+    teacher, inputs, targets = teacher_data
+    mixers = fresh_mixers(teacher)
+    before = {n: p.detach().clone() for n, p in mixers[1].named_parameters()}
+    align_layers(mixers, inputs, targets, AlignArgs(steps=3, log_every=3, train_o_proj=True, train_o_norm=True))
+    for n in ("o_proj.weight", "o_norm.weight"):
+        assert not torch.equal(mixers[1].get_parameter(n), before[n])
+
+
+def test_nan_guard_restores_and_stops_the_layer(teacher_data, caplog):
+    teacher, inputs, targets = teacher_data
+    bad_row = N - 1  # not an evaluation row
+    poisoned = dict(targets)
+    poisoned[1] = targets[1].clone()
+    poisoned[1][bad_row] = float("nan")
+    args = AlignArgs(**{**FAST, "steps": 30, "log_every": 5})
+    mixers = fresh_mixers(teacher)
+    with caplog.at_level("WARNING", logger="taylor_calibrate"):
+        report = align_layers(mixers, inputs, poisoned, args)
+
+    rows = batch_indices(N, args.batch_size, args.steps, args.seed)
+    first = 1 + next(s for s in range(args.steps) if bad_row in rows[s].tolist())  # steps are 1-based
+    r1, r2 = report["layers"][1], report["layers"][2]
+    assert r1["diverged_at"] == first
+    assert "layer 1 diverged" in caplog.text and f"step {first}" in caplog.text
+    assert all(torch.isfinite(p).all() for p in mixers[1].parameters())
+    assert math.isfinite(r1["rel_mse_after"]) and r1["rel_mse_after"] <= r1["rel_mse_before"]
+    assert r1["best_step"] < first
+    assert math.isclose(r1["rel_mse_after"], rel_mse(mixers[1], inputs[1][:4], targets[1][:4]), rel_tol=1e-6)
+    assert r2["diverged_at"] is None and r2["rel_mse_after"] < 0.9 * r2["rel_mse_before"]  # layers do not interact
+
+
+def test_nan_guard_mid_run_keeps_the_best_state_so_far(teacher_data):
+    """A forward hook turns layer 2's output to NaN at its 13th training step: the state kept at step 10 stays."""
+    teacher, inputs, targets = teacher_data
+    mixers = fresh_mixers(teacher)
+    calls = {"n": 0}
+
+    def poison(module, args, output):
+        if module.training:
+            calls["n"] += 1
+            if calls["n"] == 13:
+                return output[0] * float("nan"), output[1]
+
+    handle = mixers[2].register_forward_hook(poison)
+    report = align_layers(mixers, inputs, targets, AlignArgs(**{**FAST, "steps": 30, "log_every": 5}))
+    handle.remove()
+    r2 = report["layers"][2]
+    assert r2["diverged_at"] == 13 and r2["best_step"] == 10 and calls["n"] == 15  # stopped at the check of step 15
+    assert all(torch.isfinite(p).all() for p in mixers[2].parameters())
+    assert math.isclose(r2["rel_mse_after"], r2["best_eval_rel_mse"], rel_tol=1e-6)
+    assert r2["rel_mse_after"] < r2["rel_mse_before"]
+    assert report["layers"][1]["diverged_at"] is None
+
+
+def test_same_seed_same_result(teacher_data):
+    teacher, inputs, targets = teacher_data
+    args = AlignArgs(**{**FAST, "steps": 20})
+    runs = []
+    for _ in range(2):
+        mixers = fresh_mixers(teacher)
+        report = align_layers(mixers, inputs, targets, args)
+        runs.append((report, {l: {n: t.clone() for n, t in m.state_dict().items()} for l, m in mixers.items()}))
+    (r0, s0), (r1, s1) = runs
+    for l in LAYERS:
+        assert r0["layers"][l]["rel_mse_after"] == r1["layers"][l]["rel_mse_after"]
+        assert all(torch.equal(s0[l][n], s1[l][n]) for n in s0[l])
+
+
+def test_batch_order_is_seeded_permutations():
+    rows = batch_indices(5, 2, 7, seed=3)  # 14 indices: two full epochs + 4 of the third
+    assert rows.shape == (7, 2)
+    flat = rows.flatten().tolist()
+    assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:10]) == list(range(5))
+    assert torch.equal(rows, batch_indices(5, 2, 7, seed=3)) and not torch.equal(rows, batch_indices(5, 2, 7, seed=4))
+
+
+def test_seq_len_tokens_per_step(teacher_data):
+    teacher, inputs, targets = teacher_data
+    report = align_layers(fresh_mixers(teacher), inputs, targets, AlignArgs(steps=2, seq_len=8, batch_size=3))
+    assert report["tokens_per_step"] == 3 * 8
+
+
+def test_lr_schedule():
+    a = AlignArgs(steps=100, warmup_steps=10, schedule="cosine")
+    assert lr_factor(1, a) == pytest.approx(0.1) and lr_factor(10, a) == pytest.approx(1.0)
+    assert lr_factor(100, a) == pytest.approx(0.1) and 0.1 < lr_factor(50, a) < 1.0
+    c = AlignArgs(steps=100)
+    assert all(lr_factor(s, c) == 1.0 for s in (1, 50, 100))
+    with pytest.raises(ValueError):
+        AlignArgs(schedule="linear")
