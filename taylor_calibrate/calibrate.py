@@ -1,0 +1,209 @@
+"""Phase 1: analytic calibration of the GDN dynamics from teacher attention statistics (METHOD.md section 3).
+
+Two versions, every step switchable for ablations:
+- `paper`: the public reference implementation as METHOD.md section 3a states it, quirks included.
+- `taylor` (ours): METHOD.md section 3b, every calibrated quantity takes effect at step 0:
+  decay a_proj = 0 so the half-life is exactly d_h; the *mean* write gate equals beta*_h (solved on the calibration
+  inputs, not just the logits' spread); the per-head amplitude sigma_h reaches the output (through the gate's
+  mean when a per-head norm would cancel it, else through o_proj); the output gate is a small perturbation around
+  that amplitude.
+Baselines: `copy` (weight copy, library-default dynamics) and `zero_gate` (g_proj = 0).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from taylor_calibrate.model.gdn import GatedDeltaNet
+from taylor_calibrate.stats import LayerStats, TeacherStats
+
+METHODS = ("copy", "zero_gate", "paper", "taylor")
+
+
+@dataclass
+class CalibArgs:
+    """Phase 1 options."""
+
+    decay: bool = True
+    """Set the decay from the mean attention distance d_h (half-life d_h tokens)."""
+    write_gate: bool = True
+    """Set the write gate from the attention concentration c_h: beta*_h = beta_min + beta_span * c_h."""
+    value_scale: bool = True
+    """Least-squares per-head amplitude sigma_h of the student head output against the teacher's."""
+    output_gate: bool = True
+    """Initialise the output gate (paper: alpha * v_proj; taylor: perturbation around the head amplitude)."""
+    sinks: str = "drop"
+    """Attention sinks in d_h and c_h: "keep" (mass on the first token counts) or "drop" (removed, renormalised)."""
+    concentration: str = "abs"
+    """Entropy normalisation: "abs" (1 - H_t / log n_t) or "minmax" (over the layer's heads, as the reference)."""
+    beta_min: float = 0.3
+    beta_span: float = 0.4
+    gate_alpha: float = 0.01
+    """Relative size of the output gate's perturbation (reference: 0.01)."""
+    sigma_rows: int = 4
+    """Calibration rows used to fit sigma_h (a student forward per converted layer)."""
+
+    def __post_init__(self):
+        if self.sinks not in ("keep", "drop"):
+            raise ValueError(f"calib option sinks={self.sinks!r} must be 'keep' or 'drop'")
+        if self.concentration not in ("abs", "minmax"):
+            raise ValueError(f"calib option concentration={self.concentration!r} must be 'abs' or 'minmax'")
+        if not (0 < self.beta_min and self.beta_min + self.beta_span < 1 and self.beta_span >= 0):
+            raise ValueError("calib options need 0 < beta_min and beta_min + beta_span < 1")
+
+
+def inv_softplus(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
+
+
+def concentration(st: LayerStats, args: CalibArgs) -> torch.Tensor:
+    """c_h in [0, 1]: 1 = one-hot attention, 0 = uniform."""
+    if args.concentration == "abs":
+        c = st.concentration_abs_nosink if args.sinks == "drop" else st.concentration_abs
+        return c.clamp(0, 1)
+    H = st.entropy_nosink if args.sinks == "drop" else st.entropy
+    return 1 - (H - H.min()) / (H.max() - H.min()).clamp_min(1e-3)
+
+
+def distance(st: LayerStats, args: CalibArgs, floored: bool = False) -> torch.Tensor:
+    if args.sinks == "drop":
+        return st.distance_nosink.clamp_min(0.5)
+    return (st.distance_floored if floored else st.distance).clamp_min(0.5)
+
+
+def _readout_unit(mixer: GatedDeltaNet, x: torch.Tensor, norm: bool) -> torch.Tensor:
+    """Student head outputs with a unit gate: the recurrence's readout (after o_norm when `norm`)."""
+    o = mixer.readout(*mixer.features(x))
+    return mixer.o_norm(o) if norm and mixer.o_norm is not None else o  # (B, T, H, D)
+
+
+def _sigma(mixer, x, y, norm: bool) -> torch.Tensor:
+    """Per-head least squares factor sigma_h = <y_h, yhat_h> / <yhat_h, yhat_h> (METHOD.md 3, item 3)."""
+    yhat = _readout_unit(mixer, x, norm).float()
+    y = y.float().view_as(yhat)
+    return (y * yhat).sum((0, 1, 3)) / (yhat * yhat).sum((0, 1, 3)).clamp_min(1e-12)
+
+
+def _solve_mean_sigmoid(z: torch.Tensor, u: torch.Tensor, target: float, iters: int = 60) -> float:
+    """delta such that mean(sigmoid(z + delta * u)) = target (bisection; u has mean 1)."""
+    lo, hi = -60.0, 60.0
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if torch.sigmoid(z + mid * u).mean().item() < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _swish_inverse(a: torch.Tensor) -> torch.Tensor:
+    """z >= 0 with z * sigmoid(z) = a (a >= 0), by Newton from a good start."""
+    z = torch.where(a > 1, a, torch.sqrt(2 * a) + a / 2)  # swish(z) ~ z/2 + z^2/4 near 0
+    for _ in range(30):
+        s = torch.sigmoid(z)
+        f, df = z * s - a, s + z * s * (1 - s)
+        z = (z - f / df).clamp_min(0)
+    return z
+
+
+@torch.no_grad()
+def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: torch.Tensor, method: str,
+                    args: CalibArgs) -> dict:
+    """Calibrate one converted layer in place. x: (N, T, hidden) teacher inputs, y: (N, T, H*D) teacher head outputs
+    (both calibration rows, on the mixer's device)."""
+    H, D = mixer.num_heads, mixer.head_dim
+    p = next(mixer.parameters())
+    rep: dict = {}
+    if method == "copy":
+        return rep
+    if method == "zero_gate":
+        if mixer.g_proj is None:
+            raise ValueError("init zero_gate needs an output gate (gdn.gate != 'none')")
+        mixer.g_proj.weight.zero_()
+        return rep
+    xf = x.float().reshape(-1, x.shape[-1])
+    mu = xf.mean(0)  # mean input direction of this layer
+    u = xf @ mu / mu.dot(mu)  # (tokens,) projection on the mean direction, mean 1
+    fan_in = mixer.b_proj.weight.shape[1]
+
+    if args.decay:  # memory halves after d_h tokens: softplus(dt_bias) = ln 2 / d_h with A_log = 0
+        d = distance(st, args, floored=(method == "paper")).to(p.device)
+        rate = math.log(2) / d
+        if method == "paper":
+            rate = rate.clamp(1e-3, 5)
+        mixer.A_log.zero_()
+        mixer.dt_bias.copy_(inv_softplus(rate.float()))
+        if method == "taylor":
+            mixer.a_proj.weight.zero_()
+        rep["half_life"] = d.tolist()
+
+    if args.write_gate:
+        c = concentration(st, args).to(p.device)
+        beta_star = args.beta_min + args.beta_span * c
+        logit = torch.log(beta_star / (1 - beta_star))
+        w = mixer.b_proj.weight  # (H, hidden)
+        if method == "paper":  # sets the logits' spread, not their mean (reference quirk)
+            w.copy_((logit / math.sqrt(fan_in))[:, None] * w / w.abs().mean(1, keepdim=True).clamp_min(1e-12))
+        else:  # shift along the mean input direction until mean_t sigmoid(logit_t) = beta*_h exactly
+            z = xf @ w.float().T  # (tokens, H)
+            for h in range(H):
+                delta = _solve_mean_sigmoid(z[:, h], u, beta_star[h].item())
+                w[h] += (delta * mu / mu.dot(mu)).to(w.dtype)
+        rep["beta_star"] = beta_star.tolist()
+
+    rows = slice(0, args.sigma_rows)
+    if method == "paper":
+        if args.value_scale:  # multiplied into v_proj rows, where o_norm then cancels it (reference quirk)
+            sigma = _sigma(mixer, x[rows], y[rows], norm=False).clamp(0.1, 10)
+            mixer.v_proj.weight.mul_(sigma.repeat_interleave(D)[:, None].to(p.dtype))
+            if mixer.v_proj.bias is not None:
+                mixer.v_proj.bias.mul_(sigma.repeat_interleave(D).to(p.dtype))
+            rep["sigma"] = sigma.tolist()
+        if args.output_gate and mixer.g_proj is not None:
+            v = mixer.v_proj(x[rows]).float()
+            alpha = args.gate_alpha * st.head_rms.mean().item() / F.silu(v).pow(2).mean().sqrt().clamp_min(1e-12).item()
+            mixer.g_proj.weight.copy_(alpha * mixer.v_proj.weight)
+            rep["gate_alpha"] = alpha
+        return rep
+
+    # taylor: amplitude takes effect. With a gate, |sigma_h| becomes the gate's mean value and the sign goes into
+    # o_proj's head-h columns; without a gate, all of sigma_h goes into those columns (exact: o_proj is linear).
+    if args.value_scale or args.output_gate:
+        has_gate = mixer.g_proj is not None
+        if has_gate:  # provisional gate (perturbation only) so that yhat is measured at unit scale
+            mixer.g_proj.weight.zero_()
+        sigma = _sigma(mixer, x[rows], y[rows], norm=True) if args.value_scale else torch.ones(H, device=p.device)
+        amp, sign = sigma.abs().clamp_min(1e-3), torch.where(sigma < 0, -1.0, 1.0)
+        scale_cols = sign if has_gate else sign * amp
+        if has_gate and mixer.cfg.gate == "sigmoid":  # sigmoid can only give (0, 1): centre it at 0.5, rest to o_proj
+            scale_cols, z = sign * amp / 0.5, torch.zeros(H, device=p.device)
+        elif has_gate:
+            z = _swish_inverse(amp)
+        mixer.o_proj.weight.mul_(scale_cols.repeat_interleave(D)[None, :].to(p.dtype))
+        if has_gate:
+            g = mixer.g_proj.weight  # (H*D, hidden): perturbation + mean-direction component giving gate(z_h)
+            noise = torch.randn(g.shape, generator=torch.Generator().manual_seed(mixer.layer_idx)).to(g)
+            rms_in = xf.pow(2).mean().sqrt()
+            g.copy_(noise * (args.gate_alpha / (rms_in * math.sqrt(fan_in))))
+            g += (z.repeat_interleave(D)[:, None] * (mu / mu.dot(mu))[None, :]).to(g.dtype)
+        rep["sigma"] = sigma.tolist()
+    return rep
+
+
+def calibrate(hybrid, stats: TeacherStats, method: str, args: CalibArgs, layers=None) -> dict:
+    """Phase 1 on every converted layer of `hybrid` (in place). Returns a per-layer report."""
+    if method not in METHODS:
+        raise ValueError(f"calibration method {method!r} is not one of {METHODS}")
+    report = {}
+    for i, mixer in hybrid.gdn_mixers.items():
+        if layers is not None and i not in layers:
+            continue
+        dev = next(mixer.parameters()).device
+        n = max(args.sigma_rows, 1)
+        x = stats.inputs[i][: max(n, 16)].to(dev) if method != "copy" else None
+        y = stats.head_outputs[i][: max(n, 16)].to(dev) if method != "copy" else None
+        report[i] = calibrate_layer(mixer, stats.layers[i], x, y, method, args)
+    return report
