@@ -41,11 +41,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from taylor_calibrate.config import SCHEDULES, AlignArgs
 from taylor_calibrate.model.gdn import GatedDeltaNet
 
 log = logging.getLogger("taylor_calibrate")
 
-SCHEDULES = ("constant", "cosine")
 
 # Which optimizer group each parameter of a GatedDeltaNet belongs to (by its top-level module/parameter name).
 _GROUP_OF = {
@@ -54,54 +54,6 @@ _GROUP_OF = {
     "q_conv1d": "new", "k_conv1d": "new", "v_conv1d": "new",
     "o_norm": "o_norm", "o_proj": "o_proj",
 }
-
-
-@dataclass
-class AlignArgs:
-    """Phase 2 (METHOD.md section 4): per-layer alignment of each GDN mixer to the teacher's attention output."""
-
-    steps: int = 300
-    """Optimizer steps per layer."""
-    batch_size: int = 4
-    """Sequences per step, cycled deterministically through the stored rows (a seeded permutation per epoch)."""
-    seq_len: int | None = None
-    """Crop training rows to their first seq_len tokens (cheaper steps on CPU); None = full rows. Evaluation
-    always uses full rows."""
-    lr: float = 1e-3
-    """Learning rate of the new recurrent parameters: a_proj, b_proj, g_proj, A_log, dt_bias, short convs, and
-    o_norm when it trains."""
-    lr_qkv: float = 1e-4
-    """Learning rate of the copied projections q_proj, k_proj, v_proj."""
-    lr_o: float = 1e-4
-    """Learning rate of o_proj (when it trains)."""
-    weight_decay: float = 0.01
-    """AdamW weight decay, on every trained parameter (as the reference)."""
-    grad_clip: float = 1.0
-    """Max gradient norm, per layer (<= 0: no clipping)."""
-    train_o_proj: bool = False
-    """Also train o_proj (the reference freezes it)."""
-    train_o_norm: bool = False
-    """Also train o_norm's weight (the reference freezes it)."""
-    warmup_steps: int = 0
-    """Linear learning-rate warmup over this many steps (0 = none, as the reference)."""
-    schedule: str = "constant"
-    """Learning rate after warmup: "constant" (the reference) or "cosine" (decay to 10% at the last step)."""
-    seed: int = 0
-    """Seed of the row order."""
-    log_every: int = 50
-    """Evaluate (and keep the best state) every this many steps, and at the end."""
-
-    def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"align option schedule={self.schedule!r} is not one of {SCHEDULES}")
-        for name in ("batch_size", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"align option {name}={getattr(self, name)} must be >= 1")
-        for name in ("steps", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"align option {name}={getattr(self, name)} must be >= 0")
-        if self.seq_len is not None and self.seq_len < 1:
-            raise ValueError(f"align option seq_len={self.seq_len} must be >= 1 or None")
 
 
 def lr_factor(step: int, args: AlignArgs) -> float:
@@ -198,6 +150,8 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
     Mixers stay where they are (device); stored rows may live elsewhere (e.g. CPU) and move a batch at a time.
     requires_grad flags, train/eval mode and parameter dtypes are restored at the end, even on error.
     """
+    if args.steps is None or args.batch_size is None:
+        raise ValueError("align needs steps and batch_size: set them, or fill them with config.apply_profile")
     t_start = time.perf_counter()
     layers = sorted(mixers)
     n_rows = _check_data(mixers, inputs, targets)

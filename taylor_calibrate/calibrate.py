@@ -12,47 +12,15 @@ Baselines: `copy` (weight copy, library-default dynamics) and `zero_gate` (g_pro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from taylor_calibrate.config import CalibArgs
 from taylor_calibrate.model.gdn import GatedDeltaNet
 from taylor_calibrate.stats import LayerStats, TeacherStats
 
 METHODS = ("copy", "zero_gate", "paper", "taylor")
-
-
-@dataclass
-class CalibArgs:
-    """Phase 1 options."""
-
-    decay: bool = True
-    """Set the decay from the mean attention distance d_h (half-life d_h tokens)."""
-    write_gate: bool = True
-    """Set the write gate from the attention concentration c_h: beta*_h = beta_min + beta_span * c_h."""
-    value_scale: bool = True
-    """Least-squares per-head amplitude sigma_h of the student head output against the teacher's."""
-    output_gate: bool = True
-    """Initialise the output gate (paper: alpha * v_proj; taylor: perturbation around the head amplitude)."""
-    sinks: str = "drop"
-    """Attention sinks in d_h and c_h: "keep" (mass on the first token counts) or "drop" (removed, renormalised)."""
-    concentration: str = "abs"
-    """Entropy normalisation: "abs" (1 - H_t / log n_t) or "minmax" (over the layer's heads, as the reference)."""
-    beta_min: float = 0.3
-    beta_span: float = 0.4
-    gate_alpha: float = 0.01
-    """Relative size of the output gate's perturbation (reference: 0.01)."""
-    sigma_rows: int = 4
-    """Calibration rows used to fit sigma_h (a student forward per converted layer)."""
-
-    def __post_init__(self):
-        if self.sinks not in ("keep", "drop"):
-            raise ValueError(f"calib option sinks={self.sinks!r} must be 'keep' or 'drop'")
-        if self.concentration not in ("abs", "minmax"):
-            raise ValueError(f"calib option concentration={self.concentration!r} must be 'abs' or 'minmax'")
-        if not (0 < self.beta_min and self.beta_min + self.beta_span < 1 and self.beta_span >= 0):
-            raise ValueError("calib options need 0 < beta_min and beta_min + beta_span < 1")
 
 
 def inv_softplus(y: torch.Tensor) -> torch.Tensor:
@@ -191,19 +159,3 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
             g += (z.repeat_interleave(D)[:, None] * (mu / mu.dot(mu))[None, :]).to(g.dtype)
         rep["sigma"] = sigma.tolist()
     return rep
-
-
-def calibrate(hybrid, stats: TeacherStats, method: str, args: CalibArgs, layers=None) -> dict:
-    """Phase 1 on every converted layer of `hybrid` (in place). Returns a per-layer report."""
-    if method not in METHODS:
-        raise ValueError(f"calibration method {method!r} is not one of {METHODS}")
-    report = {}
-    for i, mixer in hybrid.gdn_mixers.items():
-        if layers is not None and i not in layers:
-            continue
-        dev = next(mixer.parameters()).device
-        n = max(args.sigma_rows, 1)
-        x = stats.inputs[i][: max(n, 16)].to(dev) if method != "copy" else None
-        y = stats.head_outputs[i][: max(n, 16)].to(dev) if method != "copy" else None
-        report[i] = calibrate_layer(mixer, stats.layers[i], x, y, method, args)
-    return report

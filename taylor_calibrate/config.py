@@ -102,21 +102,117 @@ def gdn_dict(cfg: GDNConfig) -> dict:
     return asdict(cfg)
 
 
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class CalibArgs:
+    """Phase 1 options."""
+
+    decay: bool = True
+    """Set the decay from the mean attention distance d_h (half-life d_h tokens)."""
+    write_gate: bool = True
+    """Set the write gate from the attention concentration c_h: beta*_h = beta_min + beta_span * c_h."""
+    value_scale: bool = True
+    """Least-squares per-head amplitude sigma_h of the student head output against the teacher's."""
+    output_gate: bool = True
+    """Initialise the output gate (paper: alpha * v_proj; taylor: perturbation around the head amplitude)."""
+    sinks: str = "drop"
+    """Attention sinks in d_h and c_h: "keep" (mass on the first token counts) or "drop" (removed, renormalised)."""
+    concentration: str = "abs"
+    """Entropy normalisation: "abs" (1 - H_t / log n_t) or "minmax" (over the layer's heads, as the reference)."""
+    beta_min: float = 0.3
+    beta_span: float = 0.4
+    gate_alpha: float = 0.01
+    """Relative size of the output gate's perturbation (reference: 0.01)."""
+    sigma_rows: int = 4
+    """Calibration rows used to fit sigma_h (a student forward per converted layer)."""
+
+    def __post_init__(self):
+        if self.sinks not in ("keep", "drop"):
+            raise ValueError(f"calib option sinks={self.sinks!r} must be 'keep' or 'drop'")
+        if self.concentration not in ("abs", "minmax"):
+            raise ValueError(f"calib option concentration={self.concentration!r} must be 'abs' or 'minmax'")
+        if not (0 < self.beta_min and self.beta_min + self.beta_span < 1 and self.beta_span >= 0):
+            raise ValueError("calib options need 0 < beta_min and beta_min + beta_span < 1")
+
+
+@dataclass
+class AlignArgs:
+    """Phase 2 (METHOD.md section 4): per-layer alignment of each GDN mixer to the teacher's attention output."""
+
+    steps: int | None = None
+    """Optimizer steps per layer (None: from --profile, 300 full / 100 quick)."""
+    batch_size: int | None = None
+    """Sequences per step (None: from --profile, 4 full / 2 quick), cycled deterministically through the stored rows (a seeded permutation per epoch)."""
+    seq_len: int | None = None
+    """Crop training rows to their first seq_len tokens (cheaper steps on CPU); None = full rows (the quick
+    profile crops to 256). Evaluation
+    always uses full rows."""
+    lr: float = 1e-3
+    """Learning rate of the new recurrent parameters: a_proj, b_proj, g_proj, A_log, dt_bias, short convs, and
+    o_norm when it trains."""
+    lr_qkv: float = 1e-4
+    """Learning rate of the copied projections q_proj, k_proj, v_proj."""
+    lr_o: float = 1e-4
+    """Learning rate of o_proj (when it trains)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay, on every trained parameter (as the reference)."""
+    grad_clip: float = 1.0
+    """Max gradient norm, per layer (<= 0: no clipping)."""
+    train_o_proj: bool = False
+    """Also train o_proj (the reference freezes it)."""
+    train_o_norm: bool = False
+    """Also train o_norm's weight (the reference freezes it)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup over this many steps (0 = none, as the reference)."""
+    schedule: str = "constant"
+    """Learning rate after warmup: "constant" (the reference) or "cosine" (decay to 10% at the last step)."""
+    seed: int = 0
+    """Seed of the row order."""
+    log_every: int = 50
+    """Evaluate (and keep the best state) every this many steps, and at the end."""
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"align option schedule={self.schedule!r} is not one of {SCHEDULES}")
+        for name in ("batch_size", "log_every"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"align option {name}={getattr(self, name)} must be >= 1")
+        for name in ("steps", "warmup_steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"align option {name}={getattr(self, name)} must be >= 0")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ValueError(f"align option seq_len={self.seq_len} must be >= 1 or None")
+
+
 @dataclass
 class DataArgs(CorpusSpec):
     """Which text to calibrate on and which to evaluate on (never overlapping documents)."""
 
-    seq_len: int = 1024
-    """Tokens per sequence, for calibration and evaluation."""
-    calib_seqs: int = 16
-    """Number of calibration sequences."""
-    eval_seqs: int = 32
-    """Number of held-out sequences for perplexity."""
+    seq_len: int | None = None
+    """Tokens per sequence, for calibration and evaluation (None: from --profile, 1024 full / 512 quick)."""
+    calib_seqs: int | None = None
+    """Number of calibration sequences (None: from --profile, 16 full / 8 quick)."""
+    eval_seqs: int | None = None
+    """Number of held-out sequences for perplexity (None: from --profile, 32 full / 16 quick)."""
 
     def __post_init__(self):
         for name in ("seq_len", "calib_seqs", "eval_seqs"):
-            if getattr(self, name) < (2 if name == "seq_len" else 1):
+            if getattr(self, name) is not None and getattr(self, name) < (2 if name == "seq_len" else 1):
                 raise ValueError(f"data option {name}={getattr(self, name)} is out of range (must be positive)")
+
+
+INITS = ("copy", "zero_gate", "paper", "taylor")
+
+# Sizes that `--profile` fills in where an option is left unset (None). "full" is the GPU setting; "quick" keeps
+# the default conversion of the embedded teacher under 10 minutes on a 2-core CPU.
+PROFILES = {
+    "full": {"seq_len": 1024, "calib_seqs": 16, "eval_seqs": 32, "align_steps": 300, "align_batch_size": 4,
+             "align_seq_len": None},
+    "quick": {"seq_len": 512, "calib_seqs": 8, "eval_seqs": 16, "align_steps": 100, "align_batch_size": 2,
+              "align_seq_len": 256},
+}
 
 
 @dataclass
@@ -127,13 +223,20 @@ class ConvertArgs:
     """HF checkpoint directory, hub id, .gguf file, or "smollm2-135m" (the embedded default teacher)."""
     out: str = "out/hybrid"
     """Output directory (model, tokenizer, report.json)."""
-    init: str = "copy"
-    """Initialisation of the GDN layers: "copy" (weight copy, library-default dynamics)."""
+    init: str = "taylor"
+    """Phase 1 (METHOD.md 3): "taylor" (ours), "paper" (the reference code), "copy" (weight copy, library-default
+    dynamics), "zero_gate" (copy with g_proj = 0)."""
+    align: bool = True
+    """Phase 2 (METHOD.md 4): teacher-forced per-layer alignment after phase 1."""
     policy: str = "uniform"
-    """Which layers stay softmax attention: "uniform" (every k-th from 0) or "layers=0,4,8" (explicit list)."""
+    """Which layers stay softmax attention: "uniform", "bypass", "greedy", or "layers=0,4,8"."""
     keep_every: int = 4
-    """For the uniform policy: keep one attention layer in this many."""
+    """Keep one attention layer in this many (all policies keep ceil(n / keep_every) layers)."""
+    profile: str = "auto"
+    """Sizes for unset data/alignment options: "full" (GPU), "quick" (CPU), "auto" (full on CUDA, else quick)."""
     gdn: GDNConfig = field(default_factory=GDNConfig)
+    calib: CalibArgs = field(default_factory=CalibArgs)
+    phase2: AlignArgs = field(default_factory=AlignArgs)
     data: DataArgs = field(default_factory=DataArgs)
     backend: str = "auto"
     """GDN kernels: "auto" (fla when CUDA and fla are present, else torch), "torch", or "fla"."""
@@ -146,6 +249,27 @@ class ConvertArgs:
     seed: int = 0
     """Seed of the random parts of the initialisation."""
 
+    def __post_init__(self):
+        if self.init not in INITS:
+            raise ValueError(f"init={self.init!r} is not one of {INITS}")
+        if self.profile not in ("auto", *PROFILES):
+            raise ValueError(f"profile={self.profile!r} is not one of {('auto', *PROFILES)}")
+
+
+def apply_profile(args, device_type: str) -> str:
+    """Fill unset (None) data/alignment sizes from the profile; returns the profile used."""
+    name = args.profile if args.profile != "auto" else ("full" if device_type == "cuda" else "quick")
+    prof = PROFILES[name]
+    for key in ("seq_len", "calib_seqs", "eval_seqs"):
+        if getattr(args.data, key) is None:
+            setattr(args.data, key, prof[key])
+    phase2 = getattr(args, "phase2", None)
+    if phase2 is not None:
+        for key in ("steps", "batch_size", "seq_len"):
+            if getattr(phase2, key) is None:
+                setattr(phase2, key, prof[f"align_{key}"])
+    return name
+
 
 @dataclass
 class EvalArgs:
@@ -157,6 +281,8 @@ class EvalArgs:
     """Also evaluate this teacher in the same run (same text, same tokenizer)."""
     out: str | None = None
     """Where to write report.json (default: <model>/eval)."""
+    profile: str = "auto"
+    """Sizes for unset data options: "full", "quick", or "auto" (full on CUDA, else quick)."""
     data: DataArgs = field(default_factory=DataArgs)
     backend: str = "auto"
     """GDN kernels: "auto", "torch" or "fla"."""

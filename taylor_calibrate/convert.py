@@ -12,19 +12,22 @@ from pathlib import Path
 
 import torch
 
-from taylor_calibrate.config import ConvertArgs, EvalArgs
+from tqdm.auto import tqdm
+
+from taylor_calibrate.align import align_layers
+from taylor_calibrate.calibrate import calibrate_layer
+from taylor_calibrate.config import CalibArgs, ConvertArgs, EvalArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.export import REPORT, load_model, save_hybrid, write_json
-from taylor_calibrate.model.hybrid import convert_teacher
+from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
 from taylor_calibrate.ops import resolve_backend
-from taylor_calibrate.policy import gdn_layers, kept_layers
+from taylor_calibrate.ops.fla import check_fla_backward
+from taylor_calibrate.policy import SCORED, bypass_scores, gdn_layers, greedy_scores, kept_layers
+from taylor_calibrate.stats import TeacherStats, collect_stats
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 log = logging.getLogger("taylor_calibrate")
-
-INITS = ("copy",)
-
 
 def _count(model) -> int:
     return sum(p.numel() for p in model.parameters())
@@ -36,24 +39,52 @@ def print_table(rows: list[tuple[str, str]]) -> None:
         print(f"  {k:<{width}}  {v}")
 
 
+def attention_targets(teacher, stats: TeacherStats, layers) -> dict[int, torch.Tensor]:
+    """Teacher attention output after W_O for each layer: the phase 2 target (METHOD.md section 4)."""
+    out = {}
+    for i in layers:
+        o_proj = teacher.model.layers[i].self_attn.o_proj
+        y = stats.head_outputs[i]
+        out[i] = torch.nn.functional.linear(y.to(o_proj.weight), o_proj.weight, o_proj.bias).to(y.device)
+    return out
+
+
+def calibrated_mixers(teacher, stats: TeacherStats | None, layers, init: str, calib: CalibArgs, gdn, backend: str,
+                      seed: int = 0):
+    """Copy-only mixers for `layers`, then phase 1 with method `init`."""
+    mixers = make_mixers(teacher, layers, gdn, seed)
+    for m in mixers.values():
+        m.backend = backend
+    report = {}
+    if init != "copy":
+        for i, m in tqdm(mixers.items(), desc=f"phase 1 ({init})", leave=False):
+            x, y = stats.inputs[i][:16].to(m.A_log.device), stats.head_outputs[i][:16].to(m.A_log.device)
+            report[i] = calibrate_layer(m, stats.layers[i], x, y, init, calib)
+    return mixers, report
+
+
 def run_convert(args: ConvertArgs) -> dict:
-    """Convert a teacher into a hybrid, evaluate both on held-out text, save the hybrid."""
-    if args.init not in INITS:
-        raise ValueError(f"init={args.init!r} is not one of {INITS}")
+    """Convert a teacher into a hybrid (phase 1 + phase 2 by default), evaluate both on held-out text, save it."""
     t0 = time.perf_counter()
     times = {}
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.backend)
+    profile = apply_profile(args, device.type)
+    if args.align and backend == "fla":
+        problem = check_fla_backward()
+        if problem:
+            raise RuntimeError(f"phase 2 trains through fla's kernels, whose backward does not run here: {problem}")
 
     teacher = load_teacher(args.teacher, device, dtype)
     n = teacher.model.config.num_hidden_layers
-    kept = kept_layers(args.policy, n, args.keep_every)
-    converted = gdn_layers(kept, n)
+    if args.policy not in SCORED:
+        kept = kept_layers(args.policy, n, args.keep_every)
     times["load_teacher_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    splits = load_splits(args.data, teacher.tokenizer, args.data.seq_len, args.data.calib_seqs, args.data.eval_seqs)
+    d = args.data
+    splits = load_splits(d, teacher.tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs)
     times["data_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -61,11 +92,35 @@ def run_convert(args: ConvertArgs) -> dict:
     times["teacher_eval_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    torch.manual_seed(args.seed)
-    hybrid = convert_teacher(teacher.model, converted, args.gdn, teacher_name=args.teacher, seed=args.seed)
-    hybrid.set_backend(backend)
-    times["convert_s"] = time.perf_counter() - t
+    scores = None
+    if args.policy == "bypass":
+        scores = bypass_scores(teacher.model, splits.calib[:4], args.eval_batch_size)
+        kept = kept_layers(args.policy, n, args.keep_every, scores)
+    candidates = list(range(n)) if args.policy == "greedy" else gdn_layers(kept, n)
+    stats = None
+    if args.init != "copy" or args.align or args.policy == "greedy":
+        stats = collect_stats(teacher.model, splits.calib, store_layers=candidates, batch_size=args.eval_batch_size,
+                              store_device=device)
+    times["stats_s"] = time.perf_counter() - t
 
+    t = time.perf_counter()
+    mixers, p1 = calibrated_mixers(teacher.model, stats, candidates, args.init, args.calib, args.gdn, backend, args.seed)
+    if args.policy == "greedy":
+        scores = greedy_scores(teacher.model, mixers, splits.calib[:4], args.eval_batch_size)
+        kept = kept_layers(args.policy, n, args.keep_every, scores)
+    converted = gdn_layers(kept, n)
+    mixers = {i: mixers[i] for i in converted}
+    times["phase1_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    p2 = None
+    if args.align:
+        p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, attention_targets(teacher.model, stats, converted),
+                          args.phase2)
+    times["phase2_s"] = time.perf_counter() - t
+
+    hybrid = convert_teacher(teacher.model, converted, args.gdn, teacher_name=args.teacher, mixers=mixers)
+    hybrid.set_backend(backend)
     t = time.perf_counter()
     hybrid_eval = perplexity(hybrid, splits.heldout, args.eval_batch_size, desc="hybrid ppl")
     times["hybrid_eval_s"] = time.perf_counter() - t
@@ -73,15 +128,21 @@ def run_convert(args: ConvertArgs) -> dict:
     report = {
         "teacher": args.teacher,
         "init": args.init,
+        "align": args.align,
         "policy": args.policy,
         "layer_types": list(hybrid.config.layer_types),
         "kept_layers": kept,
         "gdn_layers": converted,
+        "policy_scores": scores,
         "teacher_ppl": teacher_eval["ppl"],
         "hybrid_ppl": hybrid_eval["ppl"],
         "eval_tokens": hybrid_eval["tokens"],
+        "calib_tokens": int(splits.calib.numel()),
+        "phase1": p1,
+        "phase2": p2,
         "teacher_params": _count(teacher.model),
         "hybrid_params": _count(hybrid),
+        "profile": profile,
         "backend": backend,
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
@@ -94,13 +155,16 @@ def run_convert(args: ConvertArgs) -> dict:
     report["wall_s"] = time.perf_counter() - t0
     write_json(Path(args.out) / REPORT, report)
 
-    print(f"\nconverted {args.teacher}: {len(converted)} of {n} layers -> GDN, kept attention {kept}")
-    print_table([
-        ("teacher ppl", f"{teacher_eval['ppl']:.3f}"),
-        (f"hybrid ppl ({args.init})", f"{hybrid_eval['ppl']:.3f}"),
-        ("eval tokens", str(hybrid_eval["tokens"])),
+    init = f"{args.init}{' + align' if args.align else ''}"
+    print(f"\nconverted {args.teacher}: {len(converted)} of {n} layers -> GDN ({args.policy}), kept attention {kept}")
+    rows = [("teacher ppl", f"{teacher_eval['ppl']:.3f}"), (f"hybrid ppl ({init})", f"{hybrid_eval['ppl']:.3f}")]
+    if p2 is not None:
+        rows.append(("align rel-MSE before -> after", f"{p2['mean_rel_mse_before']:.3f} -> {p2['mean_rel_mse_after']:.3f}"))
+    print_table(rows + [
+        ("eval / calib tokens", f"{hybrid_eval['tokens']} / {report['calib_tokens']} ({profile} profile)"),
         ("params teacher / hybrid", f"{report['teacher_params'] / 1e6:.1f}M / {report['hybrid_params'] / 1e6:.1f}M"),
         ("backend / device / dtype", f"{backend} / {device} / {report['dtype']}"),
+        ("stage seconds", ", ".join(f"{k[:-2]} {v:.0f}" for k, v in times.items())),
         ("wall time", f"{report['wall_s']:.1f} s"),
         ("output", str(Path(args.out) / REPORT)),
     ])
@@ -113,6 +177,7 @@ def run_eval(args: EvalArgs) -> dict:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.backend)
+    apply_profile(args, device.type)
     model, tokenizer = load_model(args.model, device, dtype)
     if hasattr(model, "set_backend"):
         model.set_backend(backend)

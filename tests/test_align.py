@@ -92,7 +92,7 @@ def test_train_o_proj_and_o_norm(teacher_data):
     teacher, inputs, targets = teacher_data
     mixers = fresh_mixers(teacher)
     before = {n: p.detach().clone() for n, p in mixers[1].named_parameters()}
-    align_layers(mixers, inputs, targets, AlignArgs(steps=3, log_every=3, train_o_proj=True, train_o_norm=True))
+    align_layers(mixers, inputs, targets, AlignArgs(steps=3, batch_size=4, log_every=3, train_o_proj=True, train_o_norm=True))
     for n in ("o_proj.weight", "o_norm.weight"):
         assert not torch.equal(mixers[1].get_parameter(n), before[n])
 
@@ -172,10 +172,10 @@ def test_seq_len_tokens_per_step(teacher_data):
 
 
 def test_lr_schedule():
-    a = AlignArgs(steps=100, warmup_steps=10, schedule="cosine")
+    a = AlignArgs(steps=100, batch_size=4, warmup_steps=10, schedule="cosine")
     assert lr_factor(1, a) == pytest.approx(0.1) and lr_factor(10, a) == pytest.approx(1.0)
     assert lr_factor(100, a) == pytest.approx(0.1) and 0.1 < lr_factor(50, a) < 1.0
-    c = AlignArgs(steps=100)
+    c = AlignArgs(steps=100, batch_size=4)
     assert all(lr_factor(s, c) == 1.0 for s in (1, 50, 100))
     with pytest.raises(ValueError):
         AlignArgs(schedule="linear")

@@ -7,6 +7,7 @@ Auto* factories, so `AutoModelForCausalLM.from_pretrained(out_dir)` works withou
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -124,27 +125,58 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                                       hidden_states=getattr(out, "hidden_states", None))
 
 
+@torch.no_grad()
+def make_mixers(teacher: PreTrainedModel, layers: list[int], gdn: GDNConfig, seed: int = 0) -> dict[int, GatedDeltaNet]:
+    """Copy-only GDN mixers for `layers` of `teacher` (METHOD.md section 2): W_Q, W_K, W_V, W_O (GQA repeated),
+    library-default recurrent parameters. They sit on the teacher's device and dtype."""
+    tcfg = teacher.config
+    param = next(teacher.parameters())
+    mixers = {}
+    for i in layers:
+        attn = teacher.model.layers[i].self_attn
+        with torch.device(param.device):
+            mixer = _new_gdn(tcfg, gdn, i, attn).to(param.dtype)
+        copy_attention_weights(mixer, attn, tcfg.num_key_value_heads)
+        init_recurrent_defaults(mixer, torch.Generator().manual_seed(seed * 1000 + i))
+        mixers[i] = mixer
+    return mixers
+
+
+@contextlib.contextmanager
+def swapped_into(teacher: PreTrainedModel, mixers: dict[int, GatedDeltaNet]):
+    """Temporarily put GDN mixers in place of the teacher's attention: a cheap hybrid for cache-free evaluation
+    (policy search, ablations) without building a model per layer set."""
+    layers = teacher.model.layers
+    saved = {i: layers[i].self_attn for i in mixers}
+    try:
+        for i, m in mixers.items():
+            layers[i].self_attn = m
+        yield teacher
+    finally:
+        for i, a in saved.items():
+            layers[i].self_attn = a
+
+
 def convert_teacher(teacher: PreTrainedModel, gdn_layers: list[int], gdn: GDNConfig, *, teacher_name: str | None = None,
-                    seed: int = 0) -> HybridForCausalLM:
-    """Copy-only conversion (METHOD.md section 2): the hybrid gets the teacher's weights everywhere; converted
-    layers get W_Q, W_K, W_V, W_O (GQA repeated) and library-default recurrent parameters."""
+                    seed: int = 0, mixers: dict[int, GatedDeltaNet] | None = None) -> HybridForCausalLM:
+    """Build the hybrid: the teacher's weights everywhere, GDN mixers at `gdn_layers` (copy-only ones from
+    `make_mixers` unless calibrated `mixers` are given)."""
     tcfg = teacher.config
     cfg = make_hybrid_config(tcfg, gdn_layers, gdn, teacher_name)
     cfg._attn_implementation = getattr(tcfg, "_attn_implementation", None) or "sdpa"
     param = next(teacher.parameters())
     with no_init_weights(), torch.device(param.device):
         hybrid = HybridForCausalLM(cfg).to(param.dtype)
-    teacher_state = teacher.state_dict()
     prefixes = tuple(f"model.layers.{i}.self_attn." for i in gdn_layers)
-    kept = {k: v for k, v in teacher_state.items() if not k.startswith(prefixes)}
+    kept = {k: v for k, v in teacher.state_dict().items() if not k.startswith(prefixes)}
     missing, unexpected = hybrid.load_state_dict(kept, strict=False)
     missing = [k for k in missing if not k.startswith(prefixes) and k != "lm_head.weight"]
     if missing or unexpected:
         raise RuntimeError(f"teacher -> hybrid weight map failed: missing {missing[:5]}, unexpected {unexpected[:5]}")
     hybrid.tie_weights()  # re-share lm_head and embeddings when the teacher ties them (load_state_dict copied both)
-    teacher_layers = teacher.model.layers
+    if mixers is None:
+        mixers = make_mixers(teacher, gdn_layers, gdn, seed)
     for i, mixer in hybrid.gdn_mixers.items():
-        copy_attention_weights(mixer, teacher_layers[i].self_attn, tcfg.num_key_value_heads)
-        init_recurrent_defaults(mixer, torch.Generator().manual_seed(seed * 1000 + i))
+        mixer.load_state_dict(mixers[i].state_dict())
     hybrid.eval()
     return hybrid
