@@ -11,6 +11,7 @@ Baselines: `copy` (weight copy, library-default dynamics) and `zero_gate` (g_pro
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -85,6 +86,8 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
     H, D = mixer.num_heads, mixer.head_dim
     p = next(mixer.parameters())
     rep: dict = {}
+    if method == "paper":  # the reference counts sink mass and normalises entropy over the layer's heads
+        args = dataclasses.replace(args, sinks="keep", concentration="minmax")
     if method == "copy":
         return rep
     if method == "zero_gate":

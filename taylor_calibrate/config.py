@@ -256,6 +256,36 @@ class ConvertArgs:
             raise ValueError(f"profile={self.profile!r} is not one of {('auto', *PROFILES)}")
 
 
+@dataclass
+class AblateArgs:
+    """`taylor-calibrate ablate`: zero-shot held-out perplexity for every init x policy."""
+
+    teacher: str = "smollm2-135m"
+    """Teacher spec (as for convert)."""
+    out: str = "out/ablate"
+    """Output directory for ablation.json and ablation.md."""
+    inits: list[str] = field(default_factory=lambda: ["copy", "zero_gate", "paper", "paper+align", "align", "taylor",
+                                                      "taylor+align"])
+    """Rows: <copy|zero_gate|paper|taylor>[+align]; "align" = copy + alignment (phase-2-only)."""
+    policies: list[str] = field(default_factory=lambda: ["uniform", "bypass", "greedy"])
+    """Columns: layer policies."""
+    keep_every: int = 4
+    """Keep one attention layer in this many."""
+    profile: str = "auto"
+    """Sizes for unset data/alignment options: "full", "quick", or "auto"."""
+    gdn: GDNConfig = field(default_factory=GDNConfig)
+    calib: CalibArgs = field(default_factory=CalibArgs)
+    phase2: AlignArgs = field(default_factory=AlignArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    eval_batch_size: int = 4
+    seed: int = 0
+    command: str | None = None
+    """The command line to record in the results (for reproducibility)."""
+
+
 def apply_profile(args, device_type: str) -> str:
     """Fill unset (None) data/alignment sizes from the profile; returns the profile used."""
     name = args.profile if args.profile != "auto" else ("full" if device_type == "cuda" else "quick")

@@ -63,6 +63,20 @@ def calibrated_mixers(teacher, stats: TeacherStats | None, layers, init: str, ca
     return mixers, report
 
 
+def training_backend(backend: str, asked: str, needed: bool) -> str:
+    """The backend phase 2 trains with: fla's backward refuses to run on some GPU/Triton pairs (Hopper with
+    Triton < 3.7.1 and no tilelang). Asked for fla by name: fail with the fix; auto: say so and train on torch."""
+    if not needed or backend != "fla":
+        return backend
+    problem = check_fla_backward()
+    if problem is None:
+        return backend
+    if asked == "fla":
+        raise RuntimeError(f"phase 2 trains through fla's kernels, whose backward does not run here: {problem}")
+    log.warning("fla's backward does not run here, so phase 2 trains on the torch path (slower). %s", problem)
+    return "torch"
+
+
 def run_convert(args: ConvertArgs) -> dict:
     """Convert a teacher into a hybrid (phase 1 + phase 2 by default), evaluate both on held-out text, save it."""
     t0 = time.perf_counter()
@@ -71,10 +85,7 @@ def run_convert(args: ConvertArgs) -> dict:
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.backend)
     profile = apply_profile(args, device.type)
-    if args.align and backend == "fla":
-        problem = check_fla_backward()
-        if problem:
-            raise RuntimeError(f"phase 2 trains through fla's kernels, whose backward does not run here: {problem}")
+    train_backend = training_backend(backend, args.backend, args.align)
 
     teacher = load_teacher(args.teacher, device, dtype)
     n = teacher.model.config.num_hidden_layers
@@ -115,6 +126,8 @@ def run_convert(args: ConvertArgs) -> dict:
     t = time.perf_counter()
     p2 = None
     if args.align:
+        for m in mixers.values():
+            m.backend = train_backend
         p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, attention_targets(teacher.model, stats, converted),
                           args.phase2)
     times["phase2_s"] = time.perf_counter() - t

@@ -1,0 +1,119 @@
+"""The `ablate` stage: zero-shot held-out perplexity for every init x layer policy (METHOD.md sections 3 and 7).
+
+One teacher pass gives statistics, inputs and targets for *every* layer; each init then builds (and, for the
+"+align" rows, aligns) a mixer for every layer once. Teacher forcing makes layers independent, so the mixers of any
+policy's converted layers are those same mixers: a policy's hybrid is the teacher with them swapped in. Policies are
+chosen once (bypass from the teacher, greedy from the taylor phase-1 mixers) and shared by all inits.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from taylor_calibrate.align import align_layers
+from taylor_calibrate.config import AblateArgs, apply_profile
+from taylor_calibrate.convert import attention_targets, calibrated_mixers, training_backend
+from taylor_calibrate.data import load_splits
+from taylor_calibrate.evaluate import perplexity
+from taylor_calibrate.export import write_json
+from taylor_calibrate.model.hybrid import swapped_into
+from taylor_calibrate.ops import resolve_backend
+from taylor_calibrate.policy import bypass_scores, gdn_layers, greedy_scores, kept_layers
+from taylor_calibrate.stats import collect_stats
+from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+
+
+def parse_init(spec: str) -> tuple[str, bool]:
+    """"taylor+align" -> ("taylor", True); "align" (phase-2-only) -> ("copy", True)."""
+    if spec == "align":
+        return "copy", True
+    method, _, rest = spec.partition("+")
+    if rest not in ("", "align"):
+        raise ValueError(f"bad init spec {spec!r}: use <copy|zero_gate|paper|taylor>[+align] or align")
+    return method, rest == "align"
+
+
+def markdown_table(result: dict) -> str:
+    policies = list(dict.fromkeys(r["policy"] for r in result["rows"]))
+    inits = list(dict.fromkeys(r["init"] for r in result["rows"]))
+    ppl = {(r["policy"], r["init"]): r["ppl"] for r in result["rows"]}
+    lines = [f"Teacher `{result['teacher']}`: held-out PPL {result['teacher_ppl']:.3f} on {result['eval_tokens']} tokens; "
+             f"{result['kept_fraction']:.0%} of layers kept as attention.", "",
+             "| init | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
+    for init in inits:
+        lines.append(f"| {init} | " + " | ".join(f"{ppl[(p, init)]:,.2f}" for p in policies) + " |")
+    lines += ["", "Kept layers: " + "; ".join(f"{p}: {result['kept'][p]}" for p in policies), "",
+              f"Command: `{result['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def run_ablate(args: AblateArgs) -> dict:
+    """Zero-shot held-out perplexity of every init on every layer policy; JSON + markdown table."""
+    t0 = time.perf_counter()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    backend = resolve_backend(args.backend)
+    profile = apply_profile(args, device.type)
+    teacher = load_teacher(args.teacher, device, dtype)
+    model = teacher.model
+    n = model.config.num_hidden_layers
+    d = args.data
+    splits = load_splits(d, teacher.tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs)
+    teacher_ppl = perplexity(model, splits.heldout, args.eval_batch_size, "teacher ppl")
+    every = list(range(n))
+    stats = collect_stats(model, splits.calib, store_layers=every, batch_size=args.eval_batch_size, store_device=device)
+    targets = attention_targets(model, stats, every)
+
+    specs = [parse_init(s) for s in args.inits]
+    built: dict[tuple[str, bool], dict] = {}
+    align_reports = {}
+    for method in dict.fromkeys(m for m, _ in specs + [("taylor", False)]):
+        built[(method, False)], _ = calibrated_mixers(model, stats, every, method, args.calib, args.gdn, backend,
+                                                      args.seed)
+    train_backend = training_backend(backend, args.backend, any(a for _, a in specs))
+    for method, aligned in specs:
+        if aligned and (method, True) not in built:
+            mixers = copy.deepcopy(built[(method, False)])
+            for m in mixers.values():
+                m.backend = train_backend
+            align_reports[method] = align_layers(mixers, stats.inputs, targets, args.phase2)
+            for m in mixers.values():
+                m.backend = backend
+            built[(method, True)] = mixers
+
+    kept = {}
+    scores = {}
+    for policy in args.policies:
+        if policy == "bypass":
+            scores[policy] = bypass_scores(model, splits.calib[:4], args.eval_batch_size)
+        elif policy == "greedy":
+            scores[policy] = greedy_scores(model, built[("taylor", False)], splits.calib[:4], args.eval_batch_size)
+        kept[policy] = kept_layers(policy, n, args.keep_every, scores.get(policy))
+
+    rows = []
+    for policy in args.policies:
+        converted = gdn_layers(kept[policy], n)
+        for spec, (method, aligned) in zip(args.inits, specs):
+            mixers = built[(method, aligned)]
+            with swapped_into(model, {i: mixers[i] for i in converted}):
+                ppl = perplexity(model, splits.heldout, args.eval_batch_size, f"{policy}/{spec}")["ppl"]
+            rows.append({"policy": policy, "init": spec, "phase2": aligned, "ppl": ppl, "kept_layers": kept[policy]})
+            print(f"  {policy:>8} {spec:>14}  ppl {ppl:,.3f}")
+
+    result = {
+        "teacher": args.teacher, "teacher_ppl": teacher_ppl["ppl"], "kept_fraction": len(kept[args.policies[0]]) / n,
+        "eval_tokens": teacher_ppl["tokens"], "calib_tokens": int(splits.calib.numel()), "rows": rows, "kept": kept,
+        "policy_scores": scores,
+        "align": {m: {k: v for k, v in r.items() if k != "layers"} for m, r in align_reports.items()},
+        "profile": profile, "backend": backend, "device": str(device), "wall_s": time.perf_counter() - t0,
+        "command": args.command or "taylor-calibrate ablate", "args": asdict(args),
+    }
+    out = Path(args.out)
+    write_json(out / "ablation.json", result)
+    (out / "ablation.md").write_text(markdown_table(result))
+    print(markdown_table(result))
+    return result
