@@ -140,6 +140,7 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
             rep["gate_alpha"] = alpha
         return rep
 
+    W_O = mixer.o_proj.weight.detach().clone()  # the teacher's, still untouched here
     # taylor: amplitude takes effect. With a gate, |sigma_h| becomes the gate's mean value and the sign goes into
     # o_proj's head-h columns; without a gate, all of sigma_h goes into those columns (exact: o_proj is linear).
     if args.value_scale or args.output_gate:
@@ -161,4 +162,25 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
             g.copy_(noise * (args.gate_alpha / (rms_in * math.sqrt(fan_in))))
             g += (z.repeat_interleave(D)[:, None] * (mu / mu.dot(mu))[None, :]).to(g.dtype)
         rep["sigma"] = sigma.tolist()
+    if args.readout == "lstsq":
+        target = F.linear(y.to(W_O.dtype), W_O)  # teacher attention output minus o_proj's bias
+        rep["readout_rel_mse"] = _fit_o_proj(mixer, x, target, args.ridge)
     return rep
+
+
+def _fit_o_proj(mixer: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, ridge: float) -> float:
+    """Closed-form o_proj: ridge least squares from the student's gated head outputs to the teacher's attention
+    output, shrunk toward the current o_proj. The per-head sigma_h is its diagonal special case; o_proj is frozen
+    in phase 2, so what this fixes stays fixed. Returns the fit's relative MSE on the calibration rows."""
+    feats, tgt = [], []
+    for i in range(x.shape[0]):  # one row at a time bounds the memory of the student forward
+        xi = x[i:i + 1]
+        feats.append(mixer.gate(xi, mixer.readout(*mixer.features(xi))).flatten(2).flatten(0, 1).float())
+        tgt.append(target[i].float())
+    Fm, Y = torch.cat(feats), torch.cat(tgt)  # (M, H*D), (M, hidden)
+    W0 = mixer.o_proj.weight.float()  # (hidden, H*D)
+    A = Fm.T @ Fm
+    lam = ridge * A.diagonal().mean()
+    W = torch.linalg.solve(A + lam * torch.eye(A.shape[0], device=A.device), Fm.T @ Y + lam * W0.T).T
+    mixer.o_proj.weight.copy_(W.to(mixer.o_proj.weight.dtype))
+    return ((Fm @ W.T - Y).pow(2).mean() / Y.var()).item()

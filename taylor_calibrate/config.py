@@ -127,12 +127,19 @@ class CalibArgs:
     """Relative size of the output gate's perturbation (reference: 0.01)."""
     sigma_rows: int = 4
     """Calibration rows used to fit sigma_h (a student forward per converted layer)."""
+    readout: str = "scale"
+    """Output map after the recurrence: "scale" (per-head sigma_h, METHOD.md 3b) or "lstsq" (closed-form ridge fit
+    of o_proj from the student's head outputs to the teacher's attention output, on the calibration rows)."""
+    ridge: float = 1e-3
+    """Ridge strength of the lstsq readout (relative to the mean feature energy), shrinking toward W_O."""
 
     def __post_init__(self):
         if self.sinks not in ("keep", "drop"):
             raise ValueError(f"calib option sinks={self.sinks!r} must be 'keep' or 'drop'")
         if self.concentration not in ("abs", "minmax"):
             raise ValueError(f"calib option concentration={self.concentration!r} must be 'abs' or 'minmax'")
+        if self.readout not in ("scale", "lstsq"):
+            raise ValueError(f"calib option readout={self.readout!r} must be 'scale' or 'lstsq'")
         if not (0 < self.beta_min and self.beta_min + self.beta_span < 1 and self.beta_span >= 0):
             raise ValueError("calib options need 0 < beta_min and beta_min + beta_span < 1")
 
