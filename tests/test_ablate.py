@@ -1,0 +1,154 @@
+"""The `ablate` stage end to end on a tiny local teacher (random llama + an offline byte-level BPE tokenizer) and a
+small text corpus: every init x policy row, the JSON schema and the markdown table."""
+import json
+import math
+
+import pytest
+import torch
+from conftest import tiny_config
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from taylor_calibrate.ablate import markdown_table, parse_init, run_ablate
+from taylor_calibrate.config import AblateArgs, AlignArgs, DataArgs
+
+VOCAB = 300
+INITS = ["copy", "align", "taylor", "taylor+align"]
+POLICIES = ["uniform", "bypass", "greedy"]
+WORDS = ("the a river stone light moves slowly over quiet hills while birds call and water runs "
+         "under old bridges near small towns where people walk talk read write and rest").split()
+
+
+def _corpus(root, n_docs=12, words=120):
+    """A directory of .txt files (enough documents that the sha1 split has both sides)."""
+    g = torch.Generator().manual_seed(0)
+    root.mkdir()
+    for d in range(n_docs):
+        idx = torch.randint(0, len(WORDS), (words,), generator=g).tolist()
+        lines = [" ".join(WORDS[i] for i in idx[k:k + 12]) + "." for k in range(0, words, 12)]
+        (root / f"doc{d:02d}.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _tokenizer(texts) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def ablated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ablate")
+    corpus = _corpus(root / "corpus")
+    teacher_dir = root / "teacher"
+    tokenizer = _tokenizer([p.read_text() for p in sorted(corpus.iterdir())])
+    assert len(tokenizer) <= VOCAB
+    torch.manual_seed(0)
+    cfg = tiny_config("llama", vocab_size=VOCAB, initializer_range=0.1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(teacher_dir)
+    tokenizer.save_pretrained(teacher_dir)
+    args = AblateArgs(
+        teacher=str(teacher_dir), out=str(root / "out"), inits=list(INITS), policies=list(POLICIES), keep_every=2,
+        profile="quick", data=DataArgs(source=str(corpus), seq_len=32, calib_seqs=4, eval_seqs=2),
+        phase2=AlignArgs(steps=3, batch_size=2), device="cpu", backend="torch", eval_batch_size=2,
+        command="pytest tests/test_ablate.py",
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return args, run_ablate(args), root / "out"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_result_schema(ablated):
+    args, result, _ = ablated
+    for key in ("teacher", "teacher_ppl", "kept_fraction", "eval_tokens", "rows", "command"):
+        assert key in result, key
+    assert result["teacher"] == args.teacher
+    assert math.isfinite(result["teacher_ppl"]) and result["teacher_ppl"] > 1
+    assert result["eval_tokens"] == 2 * 31  # eval_seqs x (seq_len - 1) predicted tokens
+    assert result["kept_fraction"] == 0.5  # ceil(4 / 2) of 4 layers
+    assert result["command"] == "pytest tests/test_ablate.py"
+
+
+def test_one_row_per_init_and_policy(ablated):
+    _, result, _ = ablated
+    rows = result["rows"]
+    assert [(r["policy"], r["init"]) for r in rows] == [(p, i) for p in POLICIES for i in INITS]
+    for r in rows:
+        assert set(r) >= {"policy", "init", "phase2", "ppl", "kept_layers"}
+        assert math.isfinite(r["ppl"]) and r["ppl"] > 1, r
+        assert r["phase2"] == r["init"].endswith("align"), r
+        assert len(r["kept_layers"]) == 2 and r["kept_layers"] == sorted(r["kept_layers"]), r
+    kept = {p: {tuple(r["kept_layers"]) for r in rows if r["policy"] == p} for p in POLICIES}
+    assert all(len(k) == 1 for k in kept.values()), "every init of a policy converts the same layers"
+    assert kept["uniform"] == {(0, 2)}
+    for p in ("bypass", "greedy"):
+        assert len(result["policy_scores"][p]) == 4
+
+
+def test_rows_differ_between_inits(ablated):
+    """Each init really builds its own mixers: no two inits give the same perplexity on a policy."""
+    _, result, _ = ablated
+    for p in POLICIES:
+        ppls = [r["ppl"] for r in result["rows"] if r["policy"] == p]
+        assert len(set(ppls)) == len(INITS), (p, ppls)
+
+
+def test_files_written(ablated):
+    _, result, out = ablated
+    saved = json.loads((out / "ablation.json").read_text())
+    assert saved["rows"] == result["rows"] and saved["teacher_ppl"] == result["teacher_ppl"]
+    md = (out / "ablation.md").read_text()
+    assert md == markdown_table(result)
+    for name in INITS + POLICIES:
+        assert f" {name} |" in md, name
+    assert "pytest tests/test_ablate.py" in md
+
+
+# ----------------------------------------------------------------------------- init specs
+
+
+@pytest.mark.parametrize("spec, parsed", [
+    ("copy", ("copy", False)), ("taylor", ("taylor", False)), ("paper+align", ("paper", True)),
+    ("zero_gate+align", ("zero_gate", True)), ("align", ("copy", True)),
+])
+def test_parse_init(spec, parsed):
+    assert parse_init(spec) == parsed
+
+
+@pytest.mark.parametrize("spec", ["taylor+foo", "taylor+align+align", "paper+aligned"])
+def test_parse_init_bad_suffix(spec):
+    with pytest.raises(ValueError, match=f"bad init spec '{spec.replace('+', '[+]')}'"):
+        parse_init(spec)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "ablate.parse_init only checks the '+align' suffix, never the method: 'magic', 'Taylor', '', '+align', 'copy+', "
+    "'align+align' pass through to calibrated_mixers/calibrate_layer, which run an unknown method as a partial "
+    "taylor calibration"))
+@pytest.mark.parametrize("spec", ["magic", "Taylor", "", "+align", "magic+align", "copy+", "align+align"])
+def test_parse_init_bad_method(spec):
+    with pytest.raises(ValueError):
+        parse_init(spec)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "AblateArgs validates neither inits nor policies (ConvertArgs validates init in __post_init__): run_ablate "
+    "loads the teacher and data, evaluates it and collects statistics before a bad init spec fails, and a bad "
+    "policy fails only after every init has been calibrated and aligned"))
+@pytest.mark.parametrize("kw", [{"inits": ["taylor+foo"]}, {"policies": ["uniform", "greedyish"]}])
+def test_bad_ablate_options_fail_before_any_work(kw, monkeypatch):
+    import taylor_calibrate.ablate as ablate
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("run_ablate loaded the teacher before validating its options")
+
+    monkeypatch.setattr(ablate, "load_teacher", no_teacher)
+    with pytest.raises(ValueError):
+        run_ablate(AblateArgs(teacher="unused", device="cpu", **kw))
