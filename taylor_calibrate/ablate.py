@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from taylor_calibrate.align import align_layers
-from taylor_calibrate.config import AblateArgs, apply_profile
+from taylor_calibrate.config import INITS, AblateArgs, apply_profile
 from taylor_calibrate.convert import attention_targets, calibrated_mixers, training_backend
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import perplexity
@@ -31,9 +31,9 @@ def parse_init(spec: str) -> tuple[str, bool]:
     """"taylor+align" -> ("taylor", True); "align" (phase-2-only) -> ("copy", True)."""
     if spec == "align":
         return "copy", True
-    method, _, rest = spec.partition("+")
-    if rest not in ("", "align"):
-        raise ValueError(f"bad init spec {spec!r}: use <copy|zero_gate|paper|taylor>[+align] or align")
+    method, plus, rest = spec.partition("+")
+    if method not in INITS or (plus and rest != "align"):
+        raise ValueError(f"bad init spec {spec!r}: use <{'|'.join(INITS)}>[+align] or align")
     return method, rest == "align"
 
 
@@ -54,6 +54,10 @@ def markdown_table(result: dict) -> str:
 def run_ablate(args: AblateArgs) -> dict:
     """Zero-shot held-out perplexity of every init on every layer policy; JSON + markdown table."""
     t0 = time.perf_counter()
+    specs = [parse_init(s) for s in args.inits]  # bad specs and policies fail before any work
+    for policy in args.policies:
+        if policy not in ("uniform", "bypass", "greedy") and not policy.startswith("layers="):
+            raise ValueError(f"unknown layer policy {policy!r}; use uniform, bypass, greedy or layers=0,4,8")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.backend)
@@ -68,7 +72,6 @@ def run_ablate(args: AblateArgs) -> dict:
     stats = collect_stats(model, splits.calib, store_layers=every, batch_size=args.eval_batch_size, store_device=device)
     targets = attention_targets(model, stats, every)
 
-    specs = [parse_init(s) for s in args.inits]
     built: dict[tuple[str, bool], dict] = {}
     align_reports = {}
     for method in dict.fromkeys(m for m, _ in specs + [("taylor", False)]):

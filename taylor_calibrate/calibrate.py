@@ -56,6 +56,17 @@ def _sigma(mixer, x, y, norm: bool) -> torch.Tensor:
     return (y * yhat).sum((0, 1, 3)) / (yhat * yhat).sum((0, 1, 3)).clamp_min(1e-12)
 
 
+def constant_direction(xf: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
+    """d with mean_t x_t.d = 1 and the least variance of x_t.d over tokens: d = S^-1 mu / (mu' S^-1 mu), S the input
+    covariance (ridge-regularised). fla's layer has no biases on a_proj/b_proj/g_proj; this direction lets a weight row
+    act like one, so a calibrated gate level is (nearly) the same for every token."""
+    mu = xf.mean(0)
+    cov = torch.cov(xf.T) if xf.shape[0] > 1 else torch.zeros(xf.shape[1], xf.shape[1], device=xf.device)
+    cov = cov + ridge * cov.diagonal().mean().clamp_min(1e-12) * torch.eye(cov.shape[0], device=xf.device)
+    d = torch.linalg.solve(cov, mu)
+    return d / mu.dot(d)
+
+
 def _solve_mean_sigmoid(z: torch.Tensor, u: torch.Tensor, target: float, iters: int = 60) -> float:
     """delta such that mean(sigmoid(z + delta * u)) = target (bisection; u has mean 1)."""
     lo, hi = -60.0, 60.0
@@ -83,6 +94,8 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
                     args: CalibArgs) -> dict:
     """Calibrate one converted layer in place. x: (N, T, hidden) teacher inputs, y: (N, T, H*D) teacher head outputs
     (both calibration rows, on the mixer's device)."""
+    if method not in METHODS:
+        raise ValueError(f"calibration method {method!r} is not one of {METHODS}")
     H, D = mixer.num_heads, mixer.head_dim
     p = next(mixer.parameters())
     rep: dict = {}
@@ -96,8 +109,8 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
         mixer.g_proj.weight.zero_()
         return rep
     xf = x.float().reshape(-1, x.shape[-1])
-    mu = xf.mean(0)  # mean input direction of this layer
-    u = xf @ mu / mu.dot(mu)  # (tokens,) projection on the mean direction, mean 1
+    dvec = constant_direction(xf)  # x_t . dvec has mean 1 and the least spread over tokens: a stand-in for a bias
+    u = xf @ dvec  # (tokens,)
     fan_in = mixer.b_proj.weight.shape[1]
 
     if args.decay:  # memory halves after d_h tokens: softplus(dt_bias) = ln 2 / d_h with A_log = 0
@@ -122,7 +135,7 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
             z = xf @ w.float().T  # (tokens, H)
             for h in range(H):
                 delta = _solve_mean_sigmoid(z[:, h], u, beta_star[h].item())
-                w[h] += (delta * mu / mu.dot(mu)).to(w.dtype)
+                w[h] += (delta * dvec).to(w.dtype)
         rep["beta_star"] = beta_star.tolist()
 
     rows = slice(0, args.sigma_rows)
@@ -156,11 +169,12 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
             z = _swish_inverse(amp)
         mixer.o_proj.weight.mul_(scale_cols.repeat_interleave(D)[None, :].to(p.dtype))
         if has_gate:
-            g = mixer.g_proj.weight  # (H*D, hidden): perturbation + mean-direction component giving gate(z_h)
+            g = mixer.g_proj.weight  # (H*D, hidden): constant-direction component giving gate(z_h) + perturbation
             noise = torch.randn(g.shape, generator=torch.Generator().manual_seed(mixer.layer_idx)).to(g)
             rms_in = xf.pow(2).mean().sqrt()
-            g.copy_(noise * (args.gate_alpha / (rms_in * math.sqrt(fan_in))))
-            g += (z.repeat_interleave(D)[:, None] * (mu / mu.dot(mu))[None, :]).to(g.dtype)
+            zrow = z.repeat_interleave(D)[:, None]  # perturbation relative to each head's own gate level
+            g.copy_(noise * (args.gate_alpha * zrow.clamp_min(1e-2) / (rms_in * math.sqrt(fan_in))))
+            g += (zrow * dvec[None, :]).to(g.dtype)
         rep["sigma"] = sigma.tolist()
     if args.readout == "lstsq":
         target = F.linear(y.to(W_O.dtype), W_O)  # teacher attention output minus o_proj's bias

@@ -153,9 +153,12 @@ class _Collector:
         n = torch.arange(1, T + 1, device=query.device).float()
         if window is not None:
             n = n.clamp_max(window)
-        logn, logn0 = torch.log(n), torch.log((n - 1).clamp_min(1))
+        pos = torch.arange(T, device=query.device)
+        sink_visible = pos < window if window is not None else torch.ones_like(pos, dtype=torch.bool)
+        n0 = torch.where(sink_visible, n - 1, n)  # keys left once the sink is dropped (none dropped past the window)
+        logn, logn0 = torch.log(n), torch.log(n0.clamp_min(1))
         conc = torch.where(n > 1, 1 - st["entropy"] / logn.clamp_min(1e-9), math.nan)
-        conc0 = torch.where(n > 2, 1 - st["entropy_nosink"] / logn0.clamp_min(1e-9), math.nan)
+        conc0 = torch.where(n0 > 1, 1 - st["entropy_nosink"] / logn0.clamp_min(1e-9), math.nan)
         y = out.float()  # (B, T, H, D)
         per_query = {
             "distance": st["distance"], "distance_floored": st["distance"] + 0.5 * st["diag"],
@@ -187,8 +190,7 @@ _ACTIVE: _Collector | None = None
 def _stats_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                      softcap=None, **kwargs):
     """SDPA for the output (so the teacher's forward is unchanged), plus the streamed statistics."""
-    scaling = module.scaling if scaling is None else scaling
-    softcap = softcap if softcap is not None else getattr(module, "attn_logit_softcapping", None)
+    scaling = module.scaling if scaling is None else scaling  # softcap: only when the model passes one
     if softcap:
         from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 

@@ -128,20 +128,12 @@ def test_parse_init_bad_suffix(spec):
         parse_init(spec)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ablate.parse_init only checks the '+align' suffix, never the method: 'magic', 'Taylor', '', '+align', 'copy+', "
-    "'align+align' pass through to calibrated_mixers/calibrate_layer, which run an unknown method as a partial "
-    "taylor calibration"))
 @pytest.mark.parametrize("spec", ["magic", "Taylor", "", "+align", "magic+align", "copy+", "align+align"])
 def test_parse_init_bad_method(spec):
     with pytest.raises(ValueError):
         parse_init(spec)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "AblateArgs validates neither inits nor policies (ConvertArgs validates init in __post_init__): run_ablate "
-    "loads the teacher and data, evaluates it and collects statistics before a bad init spec fails, and a bad "
-    "policy fails only after every init has been calibrated and aligned"))
 @pytest.mark.parametrize("kw", [{"inits": ["taylor+foo"]}, {"policies": ["uniform", "greedyish"]}])
 def test_bad_ablate_options_fail_before_any_work(kw, monkeypatch):
     import taylor_calibrate.ablate as ablate

@@ -223,10 +223,6 @@ def test_sliding_windows_are_the_teachers():
     assert stats.layers[3].distance.max() > 7
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "stats._Collector.observe normalises the sink-dropped entropy by log(n_t - 1) for every query, but once the "
-    "sliding window has passed key 0 (t >= W) no key was dropped and n_t keys remain: uniform attention then gets "
-    "concentration 1 - log W / log(W - 1) < 0 instead of 0 (sliding-window layers only: mistral, gemma3)"))
 @pytest.mark.parametrize("variant", ["gemma3_text", "mistral"])
 def test_sink_dropped_concentration_on_sliding_layers(variant):
     model = _teacher(variant)
@@ -242,12 +238,6 @@ def test_sink_dropped_concentration_on_sliding_layers(variant):
                                        _truth(P)["concentration_abs_nosink"], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "stats._stats_attention falls back to module.attn_logit_softcapping when the attention call passes no softcap; "
-    "transformers' Gemma3Attention has that attribute but never applies it (it passes no softcap), so with "
-    "attn_logit_softcapping set in a gemma3_text config collect_stats softcaps scores the teacher does not: the "
-    "statistics, and the teacher's own forward during the pass (stored inputs and head outputs), differ from the "
-    "teacher's"))
 def test_gemma3_softcap_attribute_is_not_applied_twice():
     model = _teacher("gemma3_text+softcap")
     ids = _ids(model)
