@@ -1,0 +1,95 @@
+"""METHOD.md section 7 decisions, measured: held-out perplexity of the `taylor` init for one option changed at a
+time (phase 1 alone, and after `--steps` alignment steps), on the uniform policy, against copy (+ alignment).
+
+One teacher pass serves every variant. Prints JSON + a markdown table.
+
+    python benchmarks/decisions.py --teacher smollm2-135m --steps 100 --out decisions.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from taylor_calibrate.align import align_layers
+from taylor_calibrate.config import AlignArgs, CalibArgs, GDNConfig, PROFILES
+from taylor_calibrate.convert import attention_targets, calibrated_mixers
+from taylor_calibrate.data import CorpusSpec, load_splits
+from taylor_calibrate.evaluate import perplexity
+from taylor_calibrate.model.hybrid import swapped_into
+from taylor_calibrate.ops import resolve_backend
+from taylor_calibrate.policy import gdn_layers, kept_layers
+from taylor_calibrate.stats import collect_stats
+from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+
+# (name, init method, CalibArgs overrides, GDNConfig overrides)
+VARIANTS = [
+    ("copy", "copy", {}, {}),
+    ("taylor (default)", "taylor", {}, {}),
+    ("sinks: keep", "taylor", {"sinks": "keep"}, {}),
+    ("concentration: minmax", "taylor", {"concentration": "minmax"}, {}),
+    ("readout: lstsq (ridge 0.1)", "taylor", {"readout": "lstsq", "ridge": 0.1}, {}),
+    ("gate: sigmoid", "taylor", {}, {"gate": "sigmoid"}),
+    ("output: plain (no norm, no gate)", "taylor", {}, {"output_norm": False, "gate": "none"}),
+    ("short conv: identity", "taylor", {}, {"short_conv": "identity"}),
+    ("v activation: identity", "taylor", {}, {"v_activation": "identity"}),
+    ("q/k activation: identity", "taylor", {}, {"qk_activation": "identity"}),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--teacher", default="smollm2-135m")
+    ap.add_argument("--profile", default="quick", choices=sorted(PROFILES))
+    ap.add_argument("--steps", type=int, default=0, help="alignment steps after phase 1 (0: phase 1 only)")
+    ap.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    prof = PROFILES[a.profile]
+    device = resolve_device(a.device)
+    backend = resolve_backend("auto")
+    teacher = load_teacher(a.teacher, device, resolve_dtype("auto", device))
+    model = teacher.model
+    n = model.config.num_hidden_layers
+    splits = load_splits(CorpusSpec(), teacher.tokenizer, prof["seq_len"], prof["calib_seqs"], prof["eval_seqs"])
+    converted = gdn_layers(kept_layers("uniform", n, 4), n)
+    stats = collect_stats(model, splits.calib, store_layers=converted, store_device=device)
+    targets = attention_targets(model, stats, converted)
+    teacher_ppl = perplexity(model, splits.heldout)["ppl"]
+    chosen = VARIANTS if not a.only else [v for v in VARIANTS if v[0] in a.only.split(",")]
+    rows = []
+    for name, method, calib_kw, gdn_kw in chosen:
+        t = time.perf_counter()
+        mixers, _ = calibrated_mixers(model, stats, converted, method, CalibArgs(**calib_kw), GDNConfig(**gdn_kw),
+                                      backend)
+        with swapped_into(model, mixers):
+            p1 = perplexity(model, splits.heldout)["ppl"]
+        row = {"variant": name, "init": method, "calib": calib_kw, "gdn": gdn_kw, "phase1_ppl": p1}
+        if a.steps:
+            rep = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets,
+                               AlignArgs(steps=a.steps, batch_size=prof["align_batch_size"],
+                                         seq_len=prof["align_seq_len"]))
+            with swapped_into(model, mixers):
+                row["aligned_ppl"] = perplexity(model, splits.heldout)["ppl"]
+            row["rel_mse_after"] = rep["mean_rel_mse_after"]
+        row["wall_s"] = time.perf_counter() - t
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"teacher": a.teacher, "teacher_ppl": teacher_ppl, "profile": a.profile, "steps": a.steps,
+              "eval_tokens": int(splits.heldout[:, 1:].numel()), "backend": backend, "device": str(device),
+              "rows": rows, "command": "python benchmarks/decisions.py " + " ".join(
+                  f"--{k} {v}" for k, v in vars(a).items() if k != "out" and v is not None)}
+    print(f"\nteacher PPL {teacher_ppl:.3f}; uniform policy; {a.profile} profile\n")
+    print(f"| variant | phase 1 PPL | + {a.steps} align steps PPL |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['phase1_ppl']:,.1f} | {r.get('aligned_ppl', float('nan')):,.2f} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
