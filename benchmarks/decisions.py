@@ -82,13 +82,19 @@ def main():
               "eval_tokens": int(splits.heldout[:, 1:].numel()), "backend": backend, "device": str(device),
               "rows": rows, "command": "python benchmarks/decisions.py " + " ".join(
                   f"--{k} {v}" for k, v in vars(a).items() if k != "out" and v is not None)}
-    print(f"\nteacher PPL {teacher_ppl:.3f}; uniform policy; {a.profile} profile\n")
-    print(f"| variant | phase 1 PPL | + {a.steps} align steps PPL |\n|---|---|---|")
+    lines = [f"Teacher `{a.teacher}` PPL {teacher_ppl:.3f}; uniform policy; {a.profile} profile; "
+             f"{result['eval_tokens']} held-out tokens.", "",
+             "| variant | phase 1 PPL |" + (f" + {a.steps} align steps PPL |" if a.steps else ""),
+             "|---|---|" + ("---|" if a.steps else "")]
     for r in rows:
-        print(f"| {r['variant']} | {r['phase1_ppl']:,.1f} | {r.get('aligned_ppl', float('nan')):,.2f} |")
+        lines.append(f"| {r['variant']} | {r['phase1_ppl']:,.1f} |" + (f" {r['aligned_ppl']:,.2f} |" if a.steps else ""))
+    lines += ["", f"Command: `{result['command']}`"]
+    print("\n" + "\n".join(lines))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=2)
+        with open(a.out.rsplit(".", 1)[0] + ".md", "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
