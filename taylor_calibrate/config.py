@@ -223,20 +223,11 @@ PROFILES = {
 
 
 @dataclass
-class ConvertArgs:
-    """`taylor-calibrate convert`: teacher -> hybrid."""
+class PipelineArgs:
+    """What every stage that builds hybrids shares: the teacher, the GDN layer, phase 1 and 2, data, hardware."""
 
     teacher: str = "smollm2-135m"
     """HF checkpoint directory, hub id, .gguf file, or "smollm2-135m" (the embedded default teacher)."""
-    out: str = "out/hybrid"
-    """Output directory (model, tokenizer, report.json)."""
-    init: str = "taylor"
-    """Phase 1 (METHOD.md 3): "taylor" (ours), "paper" (the reference code), "copy" (weight copy, library-default
-    dynamics), "zero_gate" (copy with g_proj = 0)."""
-    align: bool = True
-    """Phase 2 (METHOD.md 4): teacher-forced per-layer alignment after phase 1."""
-    policy: str = "uniform"
-    """Which layers stay softmax attention: "uniform", "bypass", "greedy", or "layers=0,4,8"."""
     keep_every: int = 4
     """Keep one attention layer in this many (all policies keep ceil(n / keep_every) layers)."""
     profile: str = "auto"
@@ -257,18 +248,34 @@ class ConvertArgs:
     """Seed of the random parts of the initialisation."""
 
     def __post_init__(self):
-        if self.init not in INITS:
-            raise ValueError(f"init={self.init!r} is not one of {INITS}")
         if self.profile not in ("auto", *PROFILES):
             raise ValueError(f"profile={self.profile!r} is not one of {('auto', *PROFILES)}")
 
 
 @dataclass
-class AblateArgs:
+class ConvertArgs(PipelineArgs):
+    """`taylor-calibrate convert`: teacher -> hybrid."""
+
+    out: str = "out/hybrid"
+    """Output directory (model, tokenizer, report.json)."""
+    init: str = "taylor"
+    """Phase 1 (METHOD.md 3): "taylor" (ours), "paper" (the reference code), "copy" (weight copy, library-default
+    dynamics), "zero_gate" (copy with g_proj = 0)."""
+    align: bool = True
+    """Phase 2 (METHOD.md 4): teacher-forced per-layer alignment after phase 1."""
+    policy: str = "uniform"
+    """Which layers stay softmax attention: "uniform", "bypass", "greedy", or "layers=0,4,8"."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.init not in INITS:
+            raise ValueError(f"init={self.init!r} is not one of {INITS}")
+
+
+@dataclass
+class AblateArgs(PipelineArgs):
     """`taylor-calibrate ablate`: zero-shot held-out perplexity for every init x policy."""
 
-    teacher: str = "smollm2-135m"
-    """Teacher spec (as for convert)."""
     out: str = "out/ablate"
     """Output directory for ablation.json and ablation.md."""
     inits: list[str] = field(default_factory=lambda: ["copy", "zero_gate", "paper", "paper+align", "align", "taylor",
@@ -276,19 +283,6 @@ class AblateArgs:
     """Rows: <copy|zero_gate|paper|taylor>[+align]; "align" = copy + alignment (phase-2-only)."""
     policies: list[str] = field(default_factory=lambda: ["uniform", "bypass", "greedy"])
     """Columns: layer policies."""
-    keep_every: int = 4
-    """Keep one attention layer in this many."""
-    profile: str = "auto"
-    """Sizes for unset data/alignment options: "full", "quick", or "auto"."""
-    gdn: GDNConfig = field(default_factory=GDNConfig)
-    calib: CalibArgs = field(default_factory=CalibArgs)
-    phase2: AlignArgs = field(default_factory=AlignArgs)
-    data: DataArgs = field(default_factory=DataArgs)
-    backend: str = "auto"
-    device: str = "auto"
-    dtype: str = "auto"
-    eval_batch_size: int = 4
-    seed: int = 0
     command: str | None = None
     """The command line to record in the results (for reproducibility)."""
 
