@@ -1,4 +1,6 @@
 """Shared fixtures: tiny random teachers of every supported architecture, on the CPU."""
+import contextlib
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -38,3 +40,21 @@ def tiny_teacher(arch: str, seed: int = 0, **over):
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Tiny ops: intra-op threads only contend (2 cores shared with other jobs), and spinning OpenMP workers can
+    make a small test 100x slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.fixture
+def single_thread():
+    with one_thread():
+        yield

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import one_thread, tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -57,12 +57,8 @@ def ablated(tmp_path_factory):
         phase2=AlignArgs(steps=3, batch_size=2), device="cpu", backend="torch", eval_batch_size=2,
         command="pytest tests/test_ablate.py",
     )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return args, run_ablate(args), root / "out"
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_result_schema(ablated):

@@ -7,14 +7,13 @@ and query heads of different sharpness (so concentrations, hence beta*, differ p
 embeddings a shared direction, as real LMs' residual streams have one: the attention inputs of SmolLM2-135M have
 std(x.mu/|mu|^2) ~ 0.1 over tokens; `plain_teacher` does not (std ~ 0.6).
 """
-import contextlib
 import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_teacher
+from conftest import one_thread, tiny_teacher
 
 from taylor_calibrate.calibrate import calibrate_layer, concentration, distance, inv_softplus
 from taylor_calibrate.config import CalibArgs, GDNConfig
@@ -27,21 +26,7 @@ H, D = 4, 16
 ROWS = CalibArgs().sigma_rows  # sigma_h is fitted on the first rows; the least-squares checks use the same rows
 
 
-@contextlib.contextmanager
-def one_thread():
-    """Tiny ops: threads only contend (2 cores shared with other jobs)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _llama(shared_direction: float):

@@ -14,12 +14,7 @@ from taylor_calibrate.policy import bypass_scores, greedy_scores, kept_layers
 N_LAYERS = 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _teacher():

@@ -1,13 +1,12 @@
 """Teacher statistics (METHOD.md section 3): the streamed kernel against the materialised reference, and
 `collect_stats` on every architecture against statistics computed from the teacher's own attention
 probabilities (eager attention, `output_attentions=True`)."""
-import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ARCHS, tiny_teacher
+from conftest import ARCHS, one_thread, tiny_teacher
 
 from taylor_calibrate.convert import attention_targets
 from taylor_calibrate.stats import attention_stats, attention_stats_naive, collect_stats
@@ -15,21 +14,7 @@ from taylor_calibrate.stats import attention_stats, attention_stats_naive, colle
 OUTPUTS = ("entropy", "distance", "diag", "sink", "entropy_nosink", "distance_nosink")
 
 
-@contextlib.contextmanager
-def one_thread():
-    """Tiny ops: threads only contend (2 cores shared with other jobs)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ----------------------------------------------------------------------------- the kernel vs its reference
