@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 
 import torch
@@ -24,18 +25,23 @@ from taylor_calibrate.policy import gdn_layers, kept_layers
 from taylor_calibrate.stats import collect_stats
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
-# (name, init method, CalibArgs overrides, GDNConfig overrides)
+# (name, init method, CalibArgs overrides, GDNConfig overrides, AlignArgs overrides)
 VARIANTS = [
-    ("copy", "copy", {}, {}),
-    ("taylor (default)", "taylor", {}, {}),
-    ("sinks: keep", "taylor", {"sinks": "keep"}, {}),
-    ("concentration: minmax", "taylor", {"concentration": "minmax"}, {}),
-    ("readout: lstsq (ridge 0.1)", "taylor", {"readout": "lstsq", "ridge": 0.1}, {}),
-    ("gate: sigmoid", "taylor", {}, {"gate": "sigmoid"}),
-    ("output: plain (no norm, no gate)", "taylor", {}, {"output_norm": False, "gate": "none"}),
-    ("short conv: identity", "taylor", {}, {"short_conv": "identity"}),
-    ("v activation: identity", "taylor", {}, {"v_activation": "identity"}),
-    ("q/k activation: identity", "taylor", {}, {"qk_activation": "identity"}),
+    ("copy", "copy", {}, {}, {}),
+    ("taylor (default)", "taylor", {}, {}, {}),
+    ("sinks: keep", "taylor", {"sinks": "keep"}, {}, {}),
+    ("concentration: minmax", "taylor", {"concentration": "minmax"}, {}, {}),
+    ("readout: lstsq (ridge 0.1)", "taylor", {"readout": "lstsq", "ridge": 0.1}, {}, {}),
+    ("readout: lstsq (ridge 1e-3)", "taylor", {"readout": "lstsq"}, {}, {}),
+    ("gate: sigmoid", "taylor", {}, {"gate": "sigmoid"}, {}),
+    ("output: plain (no norm, no gate)", "taylor", {}, {"output_norm": False, "gate": "none"}, {}),
+    ("short conv: identity", "taylor", {}, {"short_conv": "identity"}, {}),
+    ("v activation: identity", "taylor", {}, {"v_activation": "identity"}, {}),
+    ("q/k activation: identity", "taylor", {}, {"qk_activation": "identity"}, {}),
+    # phase 2 also trains o_proj (the reference freezes it): for copy, for taylor, for the lstsq readout
+    ("copy, o_proj trained", "copy", {}, {}, {"train_o_proj": True}),
+    ("taylor, o_proj trained", "taylor", {}, {}, {"train_o_proj": True}),
+    ("readout: lstsq (ridge 1e-3), o_proj trained", "taylor", {"readout": "lstsq"}, {}, {"train_o_proj": True}),
 ]
 
 
@@ -44,7 +50,7 @@ def main():
     ap.add_argument("--teacher", default="smollm2-135m")
     ap.add_argument("--profile", default="quick", choices=sorted(PROFILES))
     ap.add_argument("--steps", type=int, default=0, help="alignment steps after phase 1 (0: phase 1 only)")
-    ap.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
+    ap.add_argument("--only", default=None, help="semicolon-separated variant names (default: all)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -59,19 +65,19 @@ def main():
     stats = collect_stats(model, splits.calib, store_layers=converted, store_device=device)
     targets = attention_targets(model, stats, converted)
     teacher_ppl = perplexity(model, splits.heldout)["ppl"]
-    chosen = VARIANTS if not a.only else [v for v in VARIANTS if v[0] in a.only.split(",")]
+    chosen = VARIANTS if not a.only else [v for v in VARIANTS if v[0] in a.only.split(";")]
     rows = []
-    for name, method, calib_kw, gdn_kw in chosen:
+    for name, method, calib_kw, gdn_kw, align_kw in chosen:
         t = time.perf_counter()
         mixers, _ = calibrated_mixers(model, stats, converted, method, CalibArgs(**calib_kw), GDNConfig(**gdn_kw),
                                       backend)
         with swapped_into(model, mixers):
             p1 = perplexity(model, splits.heldout)["ppl"]
-        row = {"variant": name, "init": method, "calib": calib_kw, "gdn": gdn_kw, "phase1_ppl": p1}
+        row = {"variant": name, "init": method, "calib": calib_kw, "gdn": gdn_kw, "align": align_kw, "phase1_ppl": p1}
         if a.steps:
             rep = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets,
                                AlignArgs(steps=a.steps, batch_size=prof["align_batch_size"],
-                                         seq_len=prof["align_seq_len"]))
+                                         seq_len=prof["align_seq_len"], **align_kw))
             with swapped_into(model, mixers):
                 row["aligned_ppl"] = perplexity(model, splits.heldout)["ppl"]
             row["rel_mse_after"] = rep["mean_rel_mse_after"]
@@ -81,7 +87,7 @@ def main():
     result = {"teacher": a.teacher, "teacher_ppl": teacher_ppl, "profile": a.profile, "steps": a.steps,
               "eval_tokens": int(splits.heldout[:, 1:].numel()), "backend": backend, "device": str(device),
               "rows": rows, "command": "python benchmarks/decisions.py " + " ".join(
-                  f"--{k} {v}" for k, v in vars(a).items() if k != "out" and v is not None)}
+                  f"--{k} {shlex.quote(str(v))}" for k, v in vars(a).items() if k != "out" and v is not None)}
     lines = [f"Teacher `{a.teacher}` PPL {teacher_ppl:.3f}; uniform policy; {a.profile} profile; "
              f"{result['eval_tokens']} held-out tokens.", "",
              "| variant | phase 1 PPL |" + (f" + {a.steps} align steps PPL |" if a.steps else ""),
