@@ -95,7 +95,8 @@ def trained_parameters(mixer: GatedDeltaNet, args: AlignArgs) -> dict[str, list[
     return {k: v for k, v in groups.items() if v}
 
 
-def _autocast(device: torch.device):
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA (fp32 master weights), nothing on CPU: the one mixed-precision rule of training."""
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -112,7 +113,7 @@ def rel_mse(mixer: GatedDeltaNet, inputs: Tensor, targets: Tensor, batch_size: i
     for i in range(0, inputs.shape[0], batch_size):
         x = inputs[i:i + batch_size].to(p.device, p.dtype if p.is_floating_point() else torch.float32)
         y = targets[i:i + batch_size].to(p.device, torch.float64)
-        with _autocast(p.device):
+        with autocast(p.device):
             out = mixer(x)[0]
         sums += torch.stack([(out.double() - y).pow(2).sum(), y.sum(), y.pow(2).sum()])
     mse, mean, mean_sq = (sums / targets.numel()).tolist()
@@ -251,7 +252,7 @@ class _LayerState:
             x = self.x[rows.to(self.x.device), crop].to(self.device, torch.float32, non_blocking=True)
             y = self.y[rows.to(self.y.device), crop].to(self.device, torch.float32, non_blocking=True)
             self.mixer.train()
-            with _autocast(self.device):
+            with autocast(self.device):
                 out = self.mixer(x)[0]
             loss = F.mse_loss(out.float(), y)
             loss.backward()

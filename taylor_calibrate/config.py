@@ -320,3 +320,124 @@ class EvalArgs:
     device: str = "auto"
     dtype: str = "auto"
     eval_batch_size: int = 4
+
+
+PARALLEL = ("ddp", "fsdp")
+TRAIN_MODES = ("mixers", "all")
+
+
+@dataclass
+class TrainArgs:
+    """Recovery distillation (METHOD.md section 5): the student learns the teacher's next-token distribution."""
+
+    tokens: int | None = None
+    """Training-token budget (None: from --profile, 8M full / 32K quick)."""
+    batch_size: int | None = None
+    """Rows per optimizer step, over all processes (None: from --profile, 16 full / 2 quick). The loss curve
+    does not depend on how many processes share it."""
+    micro_batch_size: int | None = None
+    """Rows per forward pass per process (None: batch_size / processes, i.e. no gradient accumulation)."""
+    train: str = "mixers"
+    """Which parameters train: "mixers" (the converted GDN layers only) or "all"."""
+    lr: float = 3e-4
+    """Peak learning rate (AdamW), after a linear warmup, then cosine to 10%."""
+    warmup: float = 0.05
+    """Warmup length as a fraction of the steps."""
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    """Max global gradient norm (<= 0: none)."""
+    kl_weight: float = 1.0
+    """Weight of the forward KL(teacher || student) on the logits, per token."""
+    temperature: float = 1.0
+    """Softmax temperature of the KL term (scaled back by T^2)."""
+    hidden_weight: float = 0.0
+    """Weight of the hidden-state MSE (every layer's output, relative to the teacher's mean square)."""
+    ce_weight: float = 0.0
+    """Weight of the next-token cross-entropy on the training text."""
+    eval_every: int | None = None
+    """Evaluate on held-out text every this many steps (None: 8 evaluations over the run); also at step 0 and
+    at the end."""
+    save_every: int = 100
+    """Write a checkpoint every this many steps (atomically; the run resumes from the last one)."""
+    log_every: int = 10
+    parallel: str = "ddp"
+    """Under torchrun: "ddp" (replicated model) or "fsdp" (FSDP2 `fully_shard`, per decoder layer)."""
+    peak_tflops: float | None = None
+    """Peak dense bf16 TFLOP/s of one accelerator for the MFU estimate (None: known GPUs, e.g. H100/H200 989)."""
+    seed: int = 0
+    """Seed of the row order."""
+
+    def __post_init__(self):
+        if self.train not in TRAIN_MODES:
+            raise ValueError(f"train option train={self.train!r} is not one of {TRAIN_MODES}")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"train option parallel={self.parallel!r} is not one of {PARALLEL}")
+        for name in ("tokens", "batch_size", "micro_batch_size", "eval_every", "save_every", "log_every"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"train option {name}={v} must be >= 1")
+        if not 0 <= self.warmup < 1:
+            raise ValueError(f"train option warmup={self.warmup} must be in [0, 1)")
+        if self.lr <= 0 or self.temperature <= 0:
+            raise ValueError("train options lr and temperature must be > 0")
+        if min(self.kl_weight, self.hidden_weight, self.ce_weight) < 0 or \
+                self.kl_weight + self.hidden_weight + self.ce_weight == 0:
+            raise ValueError("train loss weights must be >= 0 and not all 0")
+
+
+TRAIN_PROFILES = {"full": {"tokens": 8_000_000, "batch_size": 16}, "quick": {"tokens": 32_768, "batch_size": 2}}
+
+
+def apply_train_profile(train: TrainArgs, profile: str) -> None:
+    """Fill unset (None) distillation sizes from the profile already chosen by `apply_profile`."""
+    for key, value in TRAIN_PROFILES[profile].items():
+        if getattr(train, key) is None:
+            setattr(train, key, value)
+
+
+@dataclass
+class DistillArgs:
+    """`taylor-calibrate distill`: recover a converted hybrid by distillation from its teacher."""
+
+    student: str = "out/hybrid"
+    """A `convert` output directory."""
+    teacher: str | None = None
+    """Teacher spec (None: the one recorded in the student's config at conversion)."""
+    out: str = "out/distill"
+    """Output directory: checkpoints, metrics.jsonl, report.json and the trained model (model/)."""
+    profile: str = "auto"
+    """Sizes for unset options: "full", "quick" or "auto" (full on CUDA, else quick)."""
+    train: TrainArgs = field(default_factory=TrainArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    """Training rows come from the calibration documents, evaluation rows from the held-out ones."""
+    resume: bool = True
+    """Continue from the last checkpoint in --out if there is one (same data order, optimizer state)."""
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    """Compute dtype: "auto" (bf16 autocast over fp32 weights on cuda, fp32 on cpu), "float32", "bfloat16"."""
+    eval_batch_size: int = 4
+
+    def __post_init__(self):
+        if self.profile not in ("auto", *PROFILES):
+            raise ValueError(f"profile={self.profile!r} is not one of {('auto', *PROFILES)}")
+
+
+@dataclass
+class RecoveryArgs(PipelineArgs):
+    """`taylor-calibrate recovery`: tokens-to-matched-recovery of each init on each policy (METHOD.md section 5)."""
+
+    out: str = "out/recovery"
+    """Output directory (recovery.json, recovery.md, curves PNG, one resumable run directory per policy x init)."""
+    policies: list[str] = field(default_factory=lambda: ["uniform", "bypass", "greedy"])
+    inits: list[str] = field(default_factory=lambda: ["copy", "align", "taylor+align"])
+    """Baseline first: "copy" (copy-only), "align" (phase-2-only), "taylor+align" (ours), "paper+align" ..."""
+    extra: list[str] = field(default_factory=lambda: ["uniform:paper+align"])
+    """More "<policy>:<init>" runs (the reference's init on one policy)."""
+    train: TrainArgs = field(default_factory=TrainArgs)
+    niah: bool = True
+    """Needle-in-a-haystack retrieval at the start and end of each run."""
+    niah_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    niah_samples: int = 4
+    command: str | None = None
+    """The command line to record in the results."""

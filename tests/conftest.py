@@ -3,7 +3,8 @@ import contextlib
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import taylor_calibrate  # noqa: F401  (registers the hybrid with the Auto* factories)
 
@@ -58,3 +59,43 @@ def one_thread():
 def single_thread():
     with one_thread():
         yield
+
+
+# --- a tiny *local* teacher: random llama + an offline byte-level BPE tokenizer + a small text corpus ----------
+VOCAB = 300
+WORDS = ("the a river stone light moves slowly over quiet hills while birds call and water runs "
+         "under old bridges near small towns where people walk talk read write and rest").split()
+
+
+def tiny_corpus(root, n_docs=12, words=120):
+    """A directory of .txt files (enough documents that the sha1 split has both sides)."""
+    g = torch.Generator().manual_seed(0)
+    root.mkdir()
+    for d in range(n_docs):
+        idx = torch.randint(0, len(WORDS), (words,), generator=g).tolist()
+        lines = [" ".join(WORDS[i] for i in idx[k:k + 12]) + "." for k in range(0, words, 12)]
+        (root / f"doc{d:02d}.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def tiny_tokenizer(texts) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def tiny_local_teacher(root, **over):
+    """(teacher_dir, corpus_dir) under `root`: a saved random llama with its tokenizer, and its corpus."""
+    corpus = tiny_corpus(root / "corpus")
+    teacher_dir = root / "teacher"
+    tokenizer = tiny_tokenizer([p.read_text() for p in sorted(corpus.iterdir())])
+    assert len(tokenizer) <= VOCAB
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB, initializer_range=0.1, **over)) \
+        .save_pretrained(teacher_dir)
+    tokenizer.save_pretrained(teacher_dir)
+    return teacher_dir, corpus

@@ -5,52 +5,19 @@ import math
 
 import pytest
 import torch
-from conftest import one_thread, tiny_config
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from conftest import one_thread, tiny_local_teacher
 
 from taylor_calibrate.ablate import markdown_table, parse_init, run_ablate
 from taylor_calibrate.config import AblateArgs, AlignArgs, DataArgs
 
-VOCAB = 300
 INITS = ["copy", "align", "taylor", "taylor+align"]
 POLICIES = ["uniform", "bypass", "greedy"]
-WORDS = ("the a river stone light moves slowly over quiet hills while birds call and water runs "
-         "under old bridges near small towns where people walk talk read write and rest").split()
-
-
-def _corpus(root, n_docs=12, words=120):
-    """A directory of .txt files (enough documents that the sha1 split has both sides)."""
-    g = torch.Generator().manual_seed(0)
-    root.mkdir()
-    for d in range(n_docs):
-        idx = torch.randint(0, len(WORDS), (words,), generator=g).tolist()
-        lines = [" ".join(WORDS[i] for i in idx[k:k + 12]) + "." for k in range(0, words, 12)]
-        (root / f"doc{d:02d}.txt").write_text("\n".join(lines) + "\n")
-    return root
-
-
-def _tokenizer(texts) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
 @pytest.fixture(scope="module")
 def ablated(tmp_path_factory):
     root = tmp_path_factory.mktemp("ablate")
-    corpus = _corpus(root / "corpus")
-    teacher_dir = root / "teacher"
-    tokenizer = _tokenizer([p.read_text() for p in sorted(corpus.iterdir())])
-    assert len(tokenizer) <= VOCAB
-    torch.manual_seed(0)
-    cfg = tiny_config("llama", vocab_size=VOCAB, initializer_range=0.1)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(teacher_dir)
-    tokenizer.save_pretrained(teacher_dir)
+    teacher_dir, corpus = tiny_local_teacher(root)
     args = AblateArgs(
         teacher=str(teacher_dir), out=str(root / "out"), inits=list(INITS), policies=list(POLICIES), keep_every=2,
         profile="quick", data=DataArgs(source=str(corpus), seq_len=32, calib_seqs=4, eval_seqs=2),

@@ -1,0 +1,446 @@
+"""The `distill` stage: recover a converted hybrid by distillation from its teacher (METHOD.md section 5).
+
+    loss = kl_weight * T^2 * KL(teacher_T || student_T)      per token, forward KL on the logits
+         + hidden_weight * sum_l |h_l - h_l^T|^2 / |h_l^T|^2  every layer's output (optional)
+         + ce_weight * CE(student, next token)                (optional)
+
+Data order is a function of the step alone (seeded permutations of the training rows, `align.batch_indices`),
+and the optimizer step uses the same global batch whatever the number of processes, so a resumed run, a 1-process
+run and a `torchrun --nproc_per_node K` run follow the same loss curve. Under torchrun the student is wrapped in
+DDP or FSDP2 (`fully_shard` per decoder layer); checkpoints hold full (gathered) state dicts of the trained
+parameters and the optimizer in safetensors, written to a temporary directory and renamed into place, then
+pointed at by `latest` (also replaced atomically): a kill at any moment leaves the previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from taylor_calibrate.align import autocast, batch_indices, lr_factor
+from taylor_calibrate.config import (DistillArgs, TrainArgs, apply_profile, apply_train_profile)
+from taylor_calibrate.data import load_splits
+from taylor_calibrate.export import REPORT, load_model, write_json
+from taylor_calibrate.ops import resolve_backend
+from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+
+log = logging.getLogger("taylor_calibrate")
+
+CKPT_DIR = "checkpoints"
+METRICS = "metrics.jsonl"
+# Peak dense bf16 tensor-core TFLOP/s by device-name fragment (vendor datasheets), for the MFU estimate.
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+
+
+# --- processes ---------------------------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: torch.device) -> tuple[Dist, torch.device]:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1): NCCL on GPUs, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist(), device
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    d = Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(d.local_rank)
+        device = torch.device("cuda", d.local_rank)
+    return d, device
+
+
+def _all_sum(values: list[float], ctx: Dist, device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if ctx.world > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+# --- what trains, and how it is wrapped --------------------------------------------------------------------------
+def trainable_names(student, mode: str) -> list[str]:
+    """"mixers": the GDN layers' parameters (everything converted); "all": every parameter."""
+    names = [n for n, _ in student.named_parameters()]
+    if mode == "all":
+        return names
+    prefixes = tuple(f"model.layers.{i}.self_attn." for i in student.config.gdn_layers)
+    if not prefixes:
+        raise ValueError("the student has no GDN layers to train; pass --train.train all or a converted model")
+    return [n for n in names if n.startswith(prefixes)]
+
+
+def wrap(student, ctx: Dist, parallel: str, device: torch.device):
+    """DDP or FSDP2 under torchrun; the plain module in one process."""
+    if ctx.world == 1:
+        return student
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(student, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    kw = {"mp_policy": mp} if mp is not None else {}
+    for layer in student.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(student, **kw)
+    return student
+
+
+# --- the loss ----------------------------------------------------------------------------------------------------
+def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs) -> tuple[torch.Tensor, dict]:
+    """The distillation loss of the module docstring, mean over tokens; returns (loss, its parts as floats)."""
+    parts = {}
+    loss = 0.0
+    s_logits = student_out.logits.float()
+    if args.kl_weight:
+        tau = args.temperature
+        t_logp = F.log_softmax(teacher_out.logits.float() / tau, -1)
+        s_logp = F.log_softmax(s_logits / tau, -1)
+        kl = F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="batchmean") * tau ** 2
+        loss = loss + args.kl_weight * kl
+        parts["kl"] = kl.detach()
+    if args.hidden_weight:
+        hs, ht = student_out.hidden_states[1:], teacher_out.hidden_states[1:]
+        mse = sum(((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean()) for a, b in zip(hs, ht)) / len(ht)
+        loss = loss + args.hidden_weight * mse
+        parts["hidden_mse"] = mse.detach()
+    if args.ce_weight:
+        ce = F.cross_entropy(s_logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        loss = loss + args.ce_weight * ce
+        parts["ce"] = ce.detach()
+    parts["loss"] = loss.detach()
+    return loss, parts
+
+
+@torch.no_grad()
+def heldout_eval(model, teacher, rows: torch.Tensor, batch_size: int, ctx: Dist, device) -> dict:
+    """Student next-token loss (and KL to the teacher) on held-out rows, sharded over processes and summed."""
+    was = model.training
+    model.eval()
+    mine = rows[ctx.rank::ctx.world]
+    nll = kl = n = 0.0
+    for i in range(0, mine.shape[0], batch_size):
+        ids = mine[i:i + batch_size].to(device)
+        with autocast(device):
+            s = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+            t = teacher(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        s_logp, t_logp = F.log_softmax(s, -1), F.log_softmax(t, -1)
+        nll += F.nll_loss(s_logp.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+        kl += F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="sum").item()
+        n += ids[:, 1:].numel()
+    nll, kl, n = _all_sum([nll, kl, n], ctx, device)
+    model.train(was)
+    loss = nll / n
+    return {"heldout_loss": loss, "heldout_ppl": math.exp(loss) if loss < 700 else float("inf"), "heldout_kl": kl / n}
+
+
+# --- checkpoints -------------------------------------------------------------------------------------------------
+def _state_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def save_checkpoint(out: Path, step: int, model, opt, ctx: Dist, extra: dict) -> None:
+    """Gather full state dicts of the trained parameters and the optimizer; rank 0 writes them atomically."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt, options=_state_options(cpu_offload=ctx.world > 1, ignore_frozen_params=True))
+    if ctx.main:
+        root = out / CKPT_DIR
+        final = root / f"step_{step:08d}"
+        tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in msd.items()}, str(tmp / "model.safetensors"))
+        tensors, scalars = {}, {}
+        for name, st in osd["state"].items():
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    tensors[f"{name}::{k}"] = v.detach().contiguous().cpu()
+                else:
+                    scalars[f"{name}::{k}"] = v
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        meta = {"step": step, "param_groups": osd["param_groups"], "scalars": scalars, **extra}
+        (tmp / "state.json").write_text(json.dumps(meta, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_json(root / "latest.json", {"step": step, "dir": final.name})
+        for old in root.glob("step_*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    if ctx.world > 1:
+        dist.barrier()
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    ptr = out / CKPT_DIR / "latest.json"
+    if not ptr.exists():
+        return None
+    try:
+        d = out / CKPT_DIR / json.loads(ptr.read_text())["dir"]
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{ptr} is corrupt ({e}); delete {out / CKPT_DIR} to start over") from e
+    if not (d / "state.json").exists():
+        raise ValueError(f"checkpoint {d} named by {ptr} is incomplete; delete {out / CKPT_DIR} to start over")
+    return d
+
+
+def load_checkpoint(ckpt: Path, model, opt) -> dict:
+    """Restore trained parameters and optimizer state (every process loads the same full state dicts)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    meta = json.loads((ckpt / "state.json").read_text())
+    try:
+        msd = load_file(str(ckpt / "model.safetensors"))
+        flat = load_file(str(ckpt / "optimizer.safetensors"))
+    except Exception as e:  # safetensors raises its own types for truncated files
+        raise ValueError(f"checkpoint {ckpt} is corrupt ({e}); delete it to restart from the previous one") from e
+    state: dict[str, dict] = {}
+    for key, v in list(flat.items()) + list(meta["scalars"].items()):
+        name, k = key.rsplit("::", 1)
+        state.setdefault(name, {})[k] = v
+    groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict={"state": state, "param_groups": groups},
+                   options=_state_options(strict=False))
+    return meta
+
+
+class Metrics:
+    """metrics.jsonl, one JSON record per line, written by rank 0; on resume, records after the checkpoint's step
+    are dropped so the file reads as one uninterrupted run."""
+
+    def __init__(self, path: Path, resume_step: int, main: bool):
+        self.path, self.main = path, main
+        if not main:
+            return
+        keep = []
+        if resume_step > 0 and path.exists():
+            keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= resume_step]
+        elif path.exists():
+            path.unlink()
+        if keep:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("\n".join(keep) + "\n")
+            os.replace(tmp, path)
+
+    def write(self, record: dict) -> None:
+        if self.main:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict]:
+        return [json.loads(l) for l in self.path.read_text().splitlines() if l.strip()] if self.path.exists() else []
+
+
+# --- the loop ----------------------------------------------------------------------------------------------------
+@dataclass
+class _Schedule:  # what align.lr_factor reads
+    steps: int
+    warmup_steps: int
+    schedule: str = "cosine"
+
+
+def flops_per_token(student, teacher, trained: set[str]) -> float:
+    """Matmul FLOPs per training token: teacher forward 2N_t, student forward 2N_s, backward through the student's
+    activations 2N_s, weight gradients 2N_trained (embedding lookups excluded; attention/recurrence FLOPs ignored)."""
+    def matmul_params(m, only=None):
+        return sum(p.numel() for n, p in m.named_parameters()
+                   if "embed_tokens" not in n and (only is None or n in only))
+    n_s = matmul_params(student)
+    lm = student.lm_head.weight.numel() if student.lm_head.weight is student.model.embed_tokens.weight else 0
+    return 2 * (matmul_params(teacher) + lm) + 4 * (n_s + lm) + 2 * matmul_params(student, trained)
+
+
+def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: TrainArgs, out: str | Path, *,
+            resume: bool = True, eval_batch_size: int = 4, ctx: Dist | None = None, desc: str = "distill") -> dict:
+    """Train `student` toward `teacher` for `args.tokens` tokens of `rows` (N, T); returns the run's report.
+
+    `student` holds fp32 master weights; on CUDA the forward runs under bf16 autocast. Evaluations at step 0,
+    every `eval_every` steps and at the end go to metrics.jsonl with the tokens seen so far."""
+    ctx = ctx or Dist()
+    out = Path(out)
+    device = next(student.parameters()).device
+    n_rows, seq = rows.shape
+    if n_rows < 1:
+        raise ValueError("distill: no training rows")
+    if args.batch_size % ctx.world:
+        raise ValueError(f"train batch_size={args.batch_size} must be a multiple of the {ctx.world} processes")
+    per_rank = args.batch_size // ctx.world
+    micro = min(args.micro_batch_size or per_rank, per_rank)
+    if per_rank % micro:
+        raise ValueError(f"train micro_batch_size={micro} must divide the per-process batch {per_rank}")
+    accum = per_rank // micro
+    tokens_per_step = args.batch_size * seq
+    steps = max(1, math.ceil(args.tokens / tokens_per_step))
+    eval_every = args.eval_every or max(1, steps // 8)
+    order = batch_indices(n_rows, args.batch_size, steps, args.seed)  # (steps, batch): the same on every process
+    heldout = heldout[: heldout.shape[0] - heldout.shape[0] % ctx.world] if ctx.world > 1 else heldout
+
+    names = trainable_names(student, args.train)
+    trained = set(names)
+    for n, p in student.named_parameters():
+        p.requires_grad_(n in trained)
+    teacher.requires_grad_(False).eval()
+    model = wrap(student, ctx, args.parallel, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = {id(p) for p in params if p.ndim >= 2}
+    opt = torch.optim.AdamW([{"params": [p for p in params if id(p) in decay], "weight_decay": args.weight_decay},
+                             {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    sched = _Schedule(steps, math.ceil(args.warmup * steps))
+
+    start = 0
+    ckpt = latest_checkpoint(out) if resume else None
+    if ckpt is not None:
+        meta = load_checkpoint(ckpt, model, opt)
+        if meta.get("tokens_per_step") != tokens_per_step or meta.get("steps") != steps:
+            raise ValueError(f"checkpoint {ckpt} was made with another batch/budget ({meta.get('tokens_per_step')} "
+                             f"tokens x {meta.get('steps')} steps, now {tokens_per_step} x {steps}); use a new --out")
+        start = meta["step"]
+        log.info("resuming %s from step %d of %d (%s)", desc, start, steps, ckpt)
+    elif ctx.main and (out / CKPT_DIR).exists():
+        shutil.rmtree(out / CKPT_DIR)
+    if ctx.main:
+        out.mkdir(parents=True, exist_ok=True)
+    metrics = Metrics(out / METRICS, start, ctx.main)
+
+    fpt = flops_per_token(student, teacher, trained)
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
+                                     if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
+    extra = {"steps": steps, "tokens_per_step": tokens_per_step}
+
+    def evaluate(step):
+        rec = {"step": step, "tokens": step * tokens_per_step, **heldout_eval(model, teacher, heldout, eval_batch_size,
+                                                                               ctx, device)}
+        metrics.write(rec)
+        return rec
+
+    if start == 0:
+        evaluate(0)
+    model.train()
+    bar = tqdm(range(start + 1, steps + 1), desc=desc, disable=not ctx.main, unit="step", leave=False)
+    train_time, timed_tokens, last = 0.0, 0, {}
+    for step in bar:
+        t0 = time.perf_counter()
+        factor = lr_factor(step, sched)
+        for g in opt.param_groups:
+            g["lr"] = args.lr * factor
+        mine = order[step - 1][ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
+        sums = {}
+        for j in range(accum):
+            ids = rows[mine[j * micro:(j + 1) * micro]].to(device, non_blocking=True)
+            hidden = args.hidden_weight > 0
+            with torch.no_grad(), autocast(device):
+                t_out = teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden)
+            sync = nullcontext() if j == accum - 1 or not hasattr(model, "no_sync") else model.no_sync()
+            with sync:
+                with autocast(device):
+                    s_out = model(input_ids=ids, use_cache=False, output_hidden_states=hidden)
+                loss, parts = kd_loss(s_out, t_out, ids, args)
+                (loss / accum).backward()
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + v / accum
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % args.log_every == 0 or step == steps:
+            keys = sorted(sums)
+            vals = _all_sum([float(sums[k]) for k in keys], ctx, device)
+            last = {k: v / ctx.world for k, v in zip(keys, vals)}
+            rec = {"step": step, "tokens": step * tokens_per_step, "lr": args.lr * factor,
+                   "grad_norm": float(grad_norm), **last}
+            if train_time > 0:
+                rec["tokens_per_s"] = timed_tokens / train_time
+            metrics.write(rec)
+            bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{rec.get('tokens_per_s', 0):,.0f}")
+        if not math.isfinite(last.get("loss", 0.0)):
+            raise RuntimeError(f"{desc}: the loss is {last['loss']} at step {step}; lower --train.lr")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step > start + 1:  # the first step after (re)start pays compilation and allocator warm-up
+            train_time += time.perf_counter() - t0
+            timed_tokens += tokens_per_step
+        if step % eval_every == 0 or step == steps:
+            evaluate(step)
+        if step % args.save_every == 0 or step == steps:
+            save_checkpoint(out, step, model, opt, ctx, extra)
+
+    records = metrics.read() if ctx.main else []
+    evals = [r for r in records if "heldout_loss" in r]
+    tps = timed_tokens / train_time if train_time > 0 else None
+    report = {
+        "steps": steps, "tokens": steps * tokens_per_step, "tokens_per_step": tokens_per_step, "seq_len": seq,
+        "processes": ctx.world, "parallel": args.parallel if ctx.world > 1 else None, "trained": args.train,
+        "trained_params": sum(p.numel() for n, p in student.named_parameters() if n in trained),
+        "eval_tokens": [r["tokens"] for r in evals], "heldout_loss": [r["heldout_loss"] for r in evals],
+        "heldout_kl": [r["heldout_kl"] for r in evals], "tokens_per_s": tps,
+        "flops_per_token": fpt, "mfu": tps * fpt / (peak * 1e12) / ctx.world if tps and peak else None,
+        "resumed_from": start or None,
+    }
+    return report
+
+
+# --- the stage ---------------------------------------------------------------------------------------------------
+def run_distill(args: DistillArgs) -> dict:
+    """Distil a converted hybrid toward its teacher; resumable, torchrun-ready; writes report.json and model/."""
+    t0 = time.perf_counter()
+    device = resolve_device(args.device)
+    ctx, device = init_distributed(device)
+    dtype = resolve_dtype(args.dtype, device)
+    backend = resolve_backend(args.backend)
+    profile = apply_profile(args, device.type)
+    apply_train_profile(args.train, profile)
+    student, tokenizer = load_model(args.student, device, torch.float32)  # fp32 master weights
+    if not hasattr(student, "set_backend"):
+        raise ValueError(f"{args.student} is not a converted hybrid (no GDN layers); run `convert` first")
+    student.set_backend(backend)
+    teacher_spec = args.teacher or student.config.teacher_name
+    if not teacher_spec:
+        raise ValueError(f"{args.student} does not record its teacher; pass --teacher")
+    teacher = load_teacher(teacher_spec, device, dtype).model
+    if tokenizer is None:
+        raise FileNotFoundError(f"{args.student} has no tokenizer files; save one beside the model")
+    d = args.data
+    rows_needed = math.ceil(args.train.tokens / d.seq_len)
+    splits = load_splits(d, tokenizer, d.seq_len, 1, d.eval_seqs, train_seqs=rows_needed)
+    report = distill(student, teacher, splits.train, splits.heldout, args.train, args.out, resume=args.resume,
+                     eval_batch_size=args.eval_batch_size, ctx=ctx)
+    out = Path(args.out)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    full = get_model_state_dict(student, options=_state_options(cpu_offload=ctx.world > 1))
+    if ctx.main:
+        student.save_pretrained(out / "model", state_dict=full, safe_serialization=True)
+        tokenizer.save_pretrained(out / "model")
+        report.update(student=args.student, teacher=teacher_spec, train_rows=int(splits.train.shape[0]),
+                      profile=profile, backend=backend, device=str(device), wall_s=time.perf_counter() - t0,
+                      args=asdict(args))
+        write_json(out / REPORT, report)
+        first, final = report["heldout_loss"][0], report["heldout_loss"][-1]
+        print(f"\ndistilled {args.student} toward {teacher_spec}: {report['tokens']:,} tokens in {report['steps']} "
+              f"steps on {ctx.world} process(es)")
+        print(f"  held-out loss {first:.4f} -> {final:.4f} (ppl {math.exp(first):,.2f} -> {math.exp(final):,.2f})")
+        tps = report["tokens_per_s"]
+        print(f"  throughput {tps:,.0f} tokens/s" + (f", MFU {report['mfu']:.1%}" if report["mfu"] else "")
+              if tps else "  throughput: too few steps to time")
+        print(f"  output {out / 'model'}, {out / REPORT}, {out / METRICS}")
+    if ctx.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return report

@@ -1,0 +1,172 @@
+"""The `distill` stage on a tiny local teacher: it learns, it reports, a killed run resumes as if uninterrupted,
+and 2 processes under torchrun (gloo) follow the 1-process loss curve."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import one_thread, tiny_local_teacher
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from taylor_calibrate.cli import main
+from taylor_calibrate.config import GDNConfig
+from taylor_calibrate.export import save_hybrid
+from taylor_calibrate.model.hybrid import convert_teacher
+
+GDN_LAYERS = [1, 3]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    teacher_dir, corpus = tiny_local_teacher(root)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    student = convert_teacher(teacher, GDN_LAYERS, GDNConfig(), teacher_name=str(teacher_dir))
+    save_hybrid(student, AutoTokenizer.from_pretrained(teacher_dir), root / "student")
+    return root, teacher_dir, corpus
+
+
+def _argv(root, corpus, out, steps, *more):
+    return ["distill", "--student", str(root / "student"), "--out", str(out), "--device", "cpu", "--backend", "torch",
+            "--data.source", str(corpus), "--data.seq_len", "32", "--data.eval_seqs", "2", "--eval_batch_size", "2",
+            "--train.tokens", str(steps * 4 * 32), "--train.batch_size", "4", "--train.lr", "2e-2",
+            "--train.log_every", "1", *more]
+
+
+def _records(out):
+    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_distill_learns_and_reports(assets):
+    root, teacher_dir, corpus = assets
+    out = root / "run"
+    with one_thread():
+        assert main(_argv(root, corpus, out, 24, "--train.eval_every", "12")) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 24 and report["tokens"] == 24 * 4 * 32 and report["teacher"] == str(teacher_dir)
+    assert report["eval_tokens"] == [0, 12 * 128, 24 * 128]
+    kl = report["heldout_kl"]
+    assert kl[2] < kl[1] < kl[0] and kl[2] < 0.9 * kl[0], kl  # it learns the teacher
+    assert report["tokens_per_s"] > 0 and report["mfu"] is None  # no peak FLOP/s known for a CPU
+    recs = _records(out)
+    train = [r for r in recs if "kl" in r]
+    assert [r["step"] for r in train] == list(range(1, 25))
+    assert all(math.isfinite(r["loss"]) and r["loss"] == pytest.approx(r["kl"]) for r in train)
+    # only the converted mixers trained; everything else is the teacher's, bit for bit
+    before = AutoModelForCausalLM.from_pretrained(root / "student").state_dict()
+    after = AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+    for k, v in before.items():
+        mixer = any(k.startswith(f"model.layers.{i}.self_attn.") for i in GDN_LAYERS)
+        if mixer and k.endswith(("q_proj.weight", "a_proj.weight", "o_proj.weight")):
+            assert not torch.equal(v, after[k]), f"{k} did not train"
+        elif not mixer:
+            assert torch.equal(v, after[k]), f"frozen {k} changed"
+
+
+def _run(argv, env_extra=None, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "taylor_calibrate", *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _weights(out):
+    return load_file(str(out / "model" / "model.safetensors"))
+
+
+def test_killed_run_resumes_as_if_uninterrupted(assets):
+    """SIGKILL mid-run (checkpoints every step, so likely mid-save), resume, compare with an unbroken run."""
+    root, _, corpus = assets
+    steps = 150
+    ref, broken = root / "ref", root / "broken"
+    p = _run(_argv(root, corpus, ref, steps, "--train.save_every", "50"))
+    assert p.wait(timeout=300) == 0, p.stdout.read()
+
+    p = _run(_argv(root, corpus, broken, steps, "--train.save_every", "1"))
+    latest = broken / "checkpoints" / "latest.json"
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if latest.exists():
+            try:
+                if json.loads(latest.read_text())["step"] >= 20:
+                    break
+            except ValueError:
+                pass
+        time.sleep(0.005)
+    assert p.poll() is None, "the run finished before it could be killed; raise `steps`"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    killed_at = json.loads(latest.read_text())["step"]
+    assert 20 <= killed_at < steps
+    p = _run(_argv(root, corpus, broken, steps, "--train.save_every", "1"))
+    log = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, log
+    assert "resuming" in log
+    report = json.loads((broken / "report.json").read_text())
+    assert report["resumed_from"] is not None and report["resumed_from"] >= killed_at
+
+    a, b = _weights(ref), _weights(broken)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-6), k
+    ra, rb = _records(ref), _records(broken)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]  # no duplicated or missing records
+    for x, y in zip(ra, rb):
+        for k in ("loss", "heldout_loss"):
+            if k in x:
+                assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-7), (x, y)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_torchrun_two_processes_follow_one(assets, parallel):
+    root, _, corpus = assets
+    steps = 6
+    one, two = root / f"one_{parallel}", root / f"two_{parallel}"
+    p = _run(_argv(root, corpus, one, steps))
+    assert p.wait(timeout=300) == 0, p.stdout.read()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "taylor_calibrate", *_argv(root, corpus, two, steps, "--train.parallel", parallel)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads((two / "report.json").read_text())["processes"] == 2
+    ra, rb = _records(one), _records(two)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]
+    for x, y in zip(ra, rb):
+        for k in ("loss", "heldout_loss"):
+            if k in x:
+                assert y[k] == pytest.approx(x[k], rel=1e-4), (k, x, y)
+    a, b = _weights(one), _weights(two)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-4), k
+
+
+@pytest.mark.parametrize("more, match", [
+    (["--train.batch_size", "0"], "batch_size=0"),
+    (["--train.train", "everything"], "train='everything'"),
+    (["--train.kl_weight", "0"], "not all 0"),
+])
+def test_bad_options_are_clear_errors(assets, more, match, capsys, tmp_path):
+    root, _, corpus = assets
+    assert main([*_argv(root, corpus, tmp_path / "x", 2), *more]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+
+
+def test_not_a_hybrid_and_corrupt_checkpoint(assets, capsys, tmp_path):
+    root, teacher_dir, corpus = assets
+    argv = _argv(root, corpus, tmp_path / "y", 2)
+    argv[argv.index("--student") + 1] = str(teacher_dir)
+    assert main(argv) == 2
+    assert "not a converted hybrid" in capsys.readouterr().err
+    out = tmp_path / "z"
+    with one_thread():
+        assert main(_argv(root, corpus, out, 2, "--train.tokens", str(4 * 4 * 32))) == 0
+    (out / "checkpoints" / "step_00000004" / "model.safetensors").write_bytes(b"\x00junk")
+    assert main(_argv(root, corpus, out, 2, "--train.tokens", str(4 * 4 * 32))) == 2
+    assert "corrupt" in capsys.readouterr().err
