@@ -37,6 +37,47 @@ def parse_init(spec: str) -> tuple[str, bool]:
     return method, rest == "align"
 
 
+def build_all(model, stats, targets, specs: list[tuple[str, bool]], args, backend: str):
+    """Mixers for *every* layer for each (method, aligned) spec (plus taylor phase 1, which greedy needs):
+    phase 1 once per method, alignment once per aligned method. Returns (built, alignment reports)."""
+    every = list(range(model.config.num_hidden_layers))
+    built: dict[tuple[str, bool], dict] = {}
+    align_reports = {}
+    for method in dict.fromkeys(m for m, _ in specs + [("taylor", False)]):
+        built[(method, False)], _ = calibrated_mixers(model, stats, every, method, args.calib, args.gdn, backend,
+                                                      args.seed)
+    train_backend = training_backend(backend, args.backend, any(a for _, a in specs))
+    for method, aligned in specs:
+        if aligned and (method, True) not in built:
+            mixers = copy.deepcopy(built[(method, False)])
+            for m in mixers.values():
+                m.backend = train_backend
+            align_reports[method] = align_layers(mixers, stats.inputs, targets, args.phase2)
+            for m in mixers.values():
+                m.backend = backend
+            built[(method, True)] = mixers
+    return built, align_reports
+
+
+def choose_layers(model, policies: list[str], built: dict, calib: torch.Tensor, args):
+    """Kept attention layers of each policy (bypass scored on the teacher, greedy on taylor phase-1 mixers)."""
+    n = model.config.num_hidden_layers
+    kept, scores = {}, {}
+    for policy in policies:
+        if policy == "bypass":
+            scores[policy] = bypass_scores(model, calib[:4], args.eval_batch_size)
+        elif policy == "greedy":
+            scores[policy] = greedy_scores(model, built[("taylor", False)], calib[:4], args.eval_batch_size)
+        kept[policy] = kept_layers(policy, n, args.keep_every, scores.get(policy))
+    return kept, scores
+
+
+def check_policies(policies: list[str]) -> None:
+    for policy in policies:
+        if policy not in ("uniform", "bypass", "greedy") and not policy.startswith("layers="):
+            raise ValueError(f"unknown layer policy {policy!r}; use uniform, bypass, greedy or layers=0,4,8")
+
+
 def markdown_table(result: dict) -> str:
     policies = list(dict.fromkeys(r["policy"] for r in result["rows"]))
     inits = list(dict.fromkeys(r["init"] for r in result["rows"]))
@@ -55,9 +96,7 @@ def run_ablate(args: AblateArgs) -> dict:
     """Zero-shot held-out perplexity of every init on every layer policy; JSON + markdown table."""
     t0 = time.perf_counter()
     specs = [parse_init(s) for s in args.inits]  # bad specs and policies fail before any work
-    for policy in args.policies:
-        if policy not in ("uniform", "bypass", "greedy") and not policy.startswith("layers="):
-            raise ValueError(f"unknown layer policy {policy!r}; use uniform, bypass, greedy or layers=0,4,8")
+    check_policies(args.policies)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.backend)
@@ -72,30 +111,8 @@ def run_ablate(args: AblateArgs) -> dict:
     stats = collect_stats(model, splits.calib, store_layers=every, batch_size=args.eval_batch_size, store_device=device)
     targets = attention_targets(model, stats, every)
 
-    built: dict[tuple[str, bool], dict] = {}
-    align_reports = {}
-    for method in dict.fromkeys(m for m, _ in specs + [("taylor", False)]):
-        built[(method, False)], _ = calibrated_mixers(model, stats, every, method, args.calib, args.gdn, backend,
-                                                      args.seed)
-    train_backend = training_backend(backend, args.backend, any(a for _, a in specs))
-    for method, aligned in specs:
-        if aligned and (method, True) not in built:
-            mixers = copy.deepcopy(built[(method, False)])
-            for m in mixers.values():
-                m.backend = train_backend
-            align_reports[method] = align_layers(mixers, stats.inputs, targets, args.phase2)
-            for m in mixers.values():
-                m.backend = backend
-            built[(method, True)] = mixers
-
-    kept = {}
-    scores = {}
-    for policy in args.policies:
-        if policy == "bypass":
-            scores[policy] = bypass_scores(model, splits.calib[:4], args.eval_batch_size)
-        elif policy == "greedy":
-            scores[policy] = greedy_scores(model, built[("taylor", False)], splits.calib[:4], args.eval_batch_size)
-        kept[policy] = kept_layers(policy, n, args.keep_every, scores.get(policy))
+    built, align_reports = build_all(model, stats, targets, specs, args, backend)
+    kept, scores = choose_layers(model, args.policies, built, splits.calib, args)
 
     rows = []
     for policy in args.policies:

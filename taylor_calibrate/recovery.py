@@ -1,0 +1,252 @@
+"""The `recovery` experiment: does a calibrated start recover with fewer distillation tokens (METHOD.md section 5)?
+
+For each layer policy and init (baseline `copy`, phase-2-only `align`, ours `taylor+align`, optionally the reference
+`paper+align`), the same teacher, data, budget and schedule distil the hybrid; held-out loss is measured at fixed
+token counts. Tokens to matched recovery = N / N': N = the budget, whose final held-out loss the baseline reaches;
+N' = the fewest tokens (linearly interpolated between evaluations) at which the candidate reaches that loss.
+
+Everything is resumable: built mixers are cached (safetensors), each run has its own directory with distill's
+atomic checkpoints, and finished runs are kept, so a killed experiment continues where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from taylor_calibrate.ablate import build_all, check_policies, choose_layers, parse_init
+from taylor_calibrate.align import autocast
+from taylor_calibrate.config import RecoveryArgs, apply_profile, apply_train_profile
+from taylor_calibrate.convert import attention_targets, training_backend
+from taylor_calibrate.data import load_splits
+from taylor_calibrate.distill import Dist, distill, heldout_eval
+from taylor_calibrate.export import write_json
+from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
+from taylor_calibrate.ops import resolve_backend
+from taylor_calibrate.policy import gdn_layers
+from taylor_calibrate.retrieval import niah_scores
+from taylor_calibrate.stats import collect_stats
+from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+
+log = logging.getLogger("taylor_calibrate")
+
+
+def tokens_to_reach(tokens: list[float], losses: list[float], target: float) -> float | None:
+    """Fewest tokens at which the curve reaches `target`, linear between evaluations; None if it never does."""
+    for i, (n, l) in enumerate(zip(tokens, losses)):
+        if l <= target:
+            if i == 0:
+                return float(n)
+            n0, l0 = tokens[i - 1], losses[i - 1]
+            return n0 + (n - n0) * (l0 - target) / (l0 - l)
+    return None
+
+
+def tokens_to_match(baseline: dict, candidate: dict) -> float | None:
+    """N / N' (module docstring): > 1 when the candidate needs fewer tokens; None when it never reaches the
+    baseline's final loss within the budget; inf when it starts there."""
+    n = baseline["tokens"][-1]
+    n_prime = tokens_to_reach(candidate["tokens"], candidate["heldout_loss"], baseline["heldout_loss"][-1])
+    if n_prime is None:
+        return None
+    return math.inf if n_prime == 0 else n / n_prime
+
+
+def parse_runs(args: RecoveryArgs) -> list[tuple[str, str]]:
+    runs = [(p, i) for p in args.policies for i in args.inits]
+    for item in args.extra:
+        policy, sep, init = item.partition(":")
+        if not sep:
+            raise ValueError(f"bad extra run {item!r}: use <policy>:<init>, e.g. uniform:paper+align")
+        if (policy, init) not in runs:
+            runs.append((policy, init))
+    check_policies([p for p, _ in runs])
+    for _, init in runs:
+        parse_init(init)
+    return runs
+
+
+def _cached_mixers(model, args, path: Path):
+    """Mixers of every layer from `path`: copy-only modules, then the saved state."""
+    mixers = make_mixers(model, list(range(model.config.num_hidden_layers)), args.gdn, args.seed)
+    state = load_file(str(path), device=str(next(model.parameters()).device))
+    for i, m in mixers.items():
+        m.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == str(i)})
+    return mixers
+
+
+def build_or_load(model, splits, specs, args, backend, device, cache: Path):
+    """built[(method, aligned)] for every spec (+ taylor phase 1), from the cache when a previous run saved it."""
+    keys = list(dict.fromkeys(specs + [("taylor", False)]))
+    files = {k: cache / f"{k[0]}{'+align' if k[1] else ''}.safetensors" for k in keys}
+    if all(f.exists() for f in files.values()):
+        log.info("recovery: mixers from %s", cache)
+        return {k: _cached_mixers(model, args, f) for k, f in files.items()}, {}
+    every = list(range(model.config.num_hidden_layers))
+    stats = collect_stats(model, splits.calib, store_layers=every, batch_size=args.eval_batch_size, store_device=device)
+    built, reports = build_all(model, stats, attention_targets(model, stats, every), specs, args, backend)
+    cache.mkdir(parents=True, exist_ok=True)
+    for k, f in files.items():
+        tmp = f.with_suffix(".tmp")
+        save_file({f"{i}.{n}": t.detach().contiguous() for i, m in built[k].items() for n, t in m.state_dict().items()},
+                  str(tmp))
+        tmp.replace(f)
+    return built, reports
+
+
+def _niah(model, tokenizer, args, device, desc):
+    if not args.niah:
+        return None
+    with autocast(device):
+        return niah_scores(model, tokenizer, lengths=args.niah_lengths, samples=args.niah_samples, desc=desc)
+
+
+def plot_curves(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(result["policies"])
+    fig, axes = plt.subplots(1, len(policies), figsize=(5 * len(policies), 4), squeeze=False)
+    for ax, policy in zip(axes[0], policies):
+        for init, run in result["policies"][policy].items():
+            if isinstance(run, dict) and "tokens" in run:
+                ax.plot([t / 1e6 for t in run["tokens"]], run["heldout_loss"], marker="o", ms=3, label=init)
+        ax.axhline(result["teacher_loss"], color="k", ls="--", lw=1, label="teacher")
+        ax.set_title(f"{policy} ({result['kept'][policy].__len__()} attention layers kept)")
+        ax.set_xlabel("distillation tokens (M)")
+        ax.set_ylabel("held-out loss (nats/token)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"Teacher `{result['teacher']}`: held-out loss {result['teacher_loss']:.4f}; budget "
+             f"{result['budget_tokens']:,} tokens per run; {result['kept_fraction']:.0%} of layers kept.", "",
+             "| policy | init | loss at 0 | final loss | tokens to match (copy / this) |", "|---|---|---|---|---|"]
+    for policy, runs in result["policies"].items():
+        for init, run in runs.items():
+            if not isinstance(run, dict):
+                continue
+            ratio = tokens_to_match(runs["copy"], run) if "copy" in runs and init != "copy" else None
+            r = "-" if init == "copy" else ("not reached" if ratio is None else f"{ratio:.2f}x")
+            lines.append(f"| {policy} | {init} | {run['heldout_loss'][0]:.4f} | {run['heldout_loss'][-1]:.4f} | {r} |")
+    if any(r.get("niah") for runs in result["policies"].values() for r in runs.values() if isinstance(r, dict)):
+        lines += ["", "NIAH accuracy (mean over tasks) at start -> end, by context length:", "",
+                  "| policy | init | " + " | ".join(str(n) for n in result["niah_lengths"]) + " |",
+                  "|---|---|" + "---|" * len(result["niah_lengths"])]
+        lines.append("| - | teacher | " + " | ".join(f"{_mean_at(result['teacher_niah'], n):.2f}"
+                                                       for n in result["niah_lengths"]) + " |")
+        for policy, runs in result["policies"].items():
+            for init, run in runs.items():
+                if isinstance(run, dict) and run.get("niah"):
+                    lines.append(f"| {policy} | {init} | " + " | ".join(
+                        f"{_mean_at(run['niah']['start'], n):.2f} -> {_mean_at(run['niah']['end'], n):.2f}"
+                        for n in result["niah_lengths"]) + " |")
+    lines += ["", f"Throughput {result['throughput_tokens_per_s']:,.0f} tokens/s"
+              + (f", MFU {result['mfu']:.1%}" if result.get("mfu") else ""), "", f"Command: `{result['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def _mean_at(scores: dict | None, n: int) -> float:
+    vals = [v[str(n)] for v in (scores or {}).values() if v.get(str(n)) is not None]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def run_recovery(args: RecoveryArgs) -> dict:
+    """Distil every policy x init from the same budget; curves, tokens-to-match table, NIAH at start and end."""
+    t0 = time.perf_counter()
+    runs = parse_runs(args)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    backend = resolve_backend(args.backend)
+    profile = apply_profile(args, device.type)
+    apply_train_profile(args.train, profile)
+    train_backend = training_backend(backend, args.backend, True)
+    out = Path(args.out)
+    teacher = load_teacher(args.teacher, device, dtype)
+    model, tokenizer = teacher.model, teacher.tokenizer
+    n = model.config.num_hidden_layers
+    d = args.data
+    splits = load_splits(d, tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs,
+                         train_seqs=math.ceil(args.train.tokens / d.seq_len))
+    specs = list(dict.fromkeys(parse_init(i) for _, i in runs))
+    built, align_reports = build_or_load(model, splits, specs, args, backend, device, out / "mixers")
+
+    policies = list(dict.fromkeys(p for p, _ in runs))
+    layers_file = out / "layers.json"
+    if layers_file.exists():
+        saved = json.loads(layers_file.read_text())
+        kept, scores = saved["kept"], saved["scores"]
+    else:
+        kept, scores = choose_layers(model, policies, built, splits.calib, args)
+        write_json(layers_file, {"kept": kept, "scores": scores})
+
+    teacher_loss = heldout_eval(model, model, splits.heldout, args.eval_batch_size, Dist(), device)["heldout_loss"]
+    teacher_niah_file = out / "teacher_niah.json"
+    if args.niah and not teacher_niah_file.exists():
+        write_json(teacher_niah_file, _niah(model, tokenizer, args, device, "teacher niah"))
+    teacher_niah = json.loads(teacher_niah_file.read_text()) if args.niah else None
+
+    results: dict[str, dict] = {p: {} for p in policies}
+    speeds = []
+    for policy, init in runs:
+        run_dir = out / "runs" / f"{policy}__{init}"
+        done = run_dir / "result.json"
+        if done.exists():
+            results[policy][init] = json.loads(done.read_text())
+            speeds.append((results[policy][init]["tokens_per_s"], results[policy][init]["mfu"]))
+            continue
+        converted = gdn_layers(kept[policy], n)
+        hybrid = convert_teacher(model, converted, args.gdn, teacher_name=args.teacher,
+                                 mixers=built[parse_init(init)]).float()
+        hybrid.set_backend(train_backend)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        start_file = run_dir / "niah_start.json"
+        if args.niah and not start_file.exists():
+            write_json(start_file, _niah(hybrid, tokenizer, args, device, f"{policy}/{init} niah start"))
+        print(f"\nrecovery: {policy} / {init}: {len(converted)} GDN layers, {args.train.tokens:,} tokens")
+        rep = distill(hybrid, model, splits.train, splits.heldout, args.train, run_dir,
+                      eval_batch_size=args.eval_batch_size, desc=f"{policy}/{init}")
+        res = {"tokens": rep["eval_tokens"], "heldout_loss": rep["heldout_loss"], "heldout_kl": rep["heldout_kl"],
+               "tokens_per_s": rep["tokens_per_s"], "mfu": rep["mfu"], "gdn_layers": converted,
+               "niah": {"start": json.loads(start_file.read_text()),
+                        "end": _niah(hybrid, tokenizer, args, device, f"{policy}/{init} niah end")} if args.niah else None}
+        write_json(done, res)
+        results[policy][init] = res
+        speeds.append((res["tokens_per_s"], res["mfu"]))
+        del hybrid
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    for policy, rs in results.items():
+        if "copy" in rs and "taylor+align" in rs:
+            rs["tokens_to_match"] = tokens_to_match(rs["copy"], rs["taylor+align"])
+        if "align" in rs and "taylor+align" in rs:
+            rs["tokens_to_match_phase2only"] = tokens_to_match(rs["align"], rs["taylor+align"])
+    tps = [s for s, _ in speeds if s]
+    mfus = [m for _, m in speeds if m]
+    result = {
+        "teacher": args.teacher, "teacher_loss": teacher_loss, "budget_tokens": args.train.tokens,
+        "kept_fraction": len(kept[policies[0]]) / n, "kept": kept, "policy_scores": scores, "policies": results,
+        "teacher_niah": teacher_niah, "niah_lengths": args.niah_lengths,
+        "throughput_tokens_per_s": sum(tps) / len(tps) if tps else None,
+        "mfu": sum(mfus) / len(mfus) if mfus else None,
+        "align": {m: {k: v for k, v in r.items() if k != "layers"} for m, r in align_reports.items()},
+        "profile": profile, "backend": backend, "train_backend": train_backend, "device": str(device),
+        "wall_s": time.perf_counter() - t0, "command": args.command or "taylor-calibrate recovery", "args": asdict(args),
+    }
+    write_json(out / "recovery.json", result)
+    (out / "recovery.md").write_text(markdown(result))
+    plot_curves(result, out / "recovery_curves.png")
+    print("\n" + markdown(result))
+    return result
