@@ -58,3 +58,17 @@ def one_thread():
 def single_thread():
     with one_thread():
         yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The embedded teacher's real tokenizer (loading it from the GGUF takes seconds: once per session)."""
+    from transformers import AutoTokenizer
+
+    from taylor_calibrate.teacher import embedded_teacher_path
+
+    try:
+        path = embedded_teacher_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
