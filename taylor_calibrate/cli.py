@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         name, args = parse(argv)
         COMMANDS[name][1](args)
-    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, OSError, RuntimeError, ImportError) as e:
         print(f"taylor-calibrate {name or ''}: error: {e}", file=sys.stderr)
         return 2
     return 0

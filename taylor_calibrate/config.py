@@ -6,10 +6,12 @@ them, and the field docstrings become `--help`.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from transformers import PreTrainedConfig
 
 from taylor_calibrate.data import CorpusSpec
+from taylor_calibrate.retrieval import TASKS as NIAH_TASKS
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
@@ -304,7 +306,8 @@ def apply_profile(args, device_type: str) -> str:
 
 @dataclass
 class EvalArgs:
-    """`taylor-calibrate eval`: perplexity of a hybrid (and optionally its teacher) on held-out text."""
+    """`taylor-calibrate eval`: perplexity of a hybrid (and optionally its teacher) on held-out text; optionally
+    long-context retrieval (NIAH), agreement with the teacher and lm-eval tasks."""
 
     model: str = "out/hybrid"
     """A hybrid output directory (or any causal LM checkpoint)."""
@@ -320,6 +323,44 @@ class EvalArgs:
     device: str = "auto"
     dtype: str = "auto"
     eval_batch_size: int = 4
+    """Sequences per forward pass (perplexity, agreement, lm-eval) and prompts per generate call (NIAH)."""
+    niah: bool = False
+    """Score long-context retrieval (RULER-style needle-in-a-haystack, generated locally) on the model, and on the
+    teacher when --teacher is given."""
+    niah_tasks: list[str] = field(default_factory=lambda: ["single", "multikey", "passkey"])
+    """NIAH tasks: "single" (one magic-number needle in prose), "multikey" (four, one asked), "passkey"."""
+    niah_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    """NIAH context lengths in tokens of the model's tokenizer (prompt + answer); lengths beyond the model's
+    max_position_embeddings are skipped (null in report.json)."""
+    niah_samples: int = 20
+    """NIAH prompts per task and length, needle depths spread evenly from start to end."""
+    niah_seed: int = 0
+    """Seed of the NIAH needles (keys, numbers); same seed, same prompts."""
+    agreement: bool = False
+    """Mean KL(teacher || model) and top-1 agreement on the held-out rows (needs --teacher)."""
+    lm_eval_tasks: list[str] | None = None
+    """lm-evaluation-harness tasks to run on the model in memory, e.g. [hellaswag] (needs the `eval` extra:
+    pip install "taylor-calibrate[eval]"; built-in tasks download their data, so offline use a local task file)."""
+    lm_eval_include: str | None = None
+    """Directory of extra lm-eval task YAML files (searched before lm-eval's built-in tasks)."""
+    lm_eval_limit: int | None = None
+    """Examples per lm-eval task (None: all)."""
+
+    def __post_init__(self):
+        if self.profile not in ("auto", *PROFILES):
+            raise ValueError(f"profile={self.profile!r} is not one of {('auto', *PROFILES)}")
+        if self.agreement and not self.teacher:
+            raise ValueError("--agreement compares the model with its teacher: pass --teacher too")
+        bad = [t for t in self.niah_tasks if t not in NIAH_TASKS]
+        if bad:
+            raise ValueError(f"niah_tasks {bad} unknown; choose from {list(NIAH_TASKS)}")
+        if any(n < 64 for n in self.niah_lengths) or self.niah_samples < 1:
+            raise ValueError(f"niah_lengths {self.niah_lengths} must all be >= 64 tokens and niah_samples "
+                             f"({self.niah_samples}) >= 1")
+        if self.lm_eval_include is not None and not Path(self.lm_eval_include).is_dir():
+            raise FileNotFoundError(f"lm_eval_include={self.lm_eval_include!r} is not a directory of task YAML files")
+        if self.lm_eval_limit is not None and self.lm_eval_limit < 1:
+            raise ValueError(f"lm_eval_limit={self.lm_eval_limit} must be >= 1 or None")
 
 
 PARALLEL = ("ddp", "fsdp")

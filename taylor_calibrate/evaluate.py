@@ -1,4 +1,4 @@
-"""Evaluation: perplexity on held-out text.
+"""Evaluation: perplexity on held-out text, agreement with the teacher, and lm-eval tasks on the in-memory model.
 
 Perplexity protocol: the held-out documents are packed into non-overlapping rows of `seq_len` tokens
 (`data.pack_tokens`); each row is scored on its own from position 0, every token but the first predicted from
@@ -32,3 +32,81 @@ def perplexity(model, tokens: torch.Tensor, batch_size: int = 4, desc: str = "ev
     model.train(was_training)
     nll = total / count
     return {"ppl": math.exp(nll) if nll < 700 else float("inf"), "nll": nll, "tokens": count}
+
+
+@torch.no_grad()
+def agreement(model, teacher, tokens: torch.Tensor, batch_size: int = 4, chunk: int = 1024,
+              desc: str = "agreement") -> dict:
+    """How closely `model` predicts like `teacher` on `tokens` (N, T): {"kl", "top1", "tokens"}.
+
+    kl: mean forward KL(teacher || model) in nats over every position's next-token distribution; top1: fraction of
+    positions whose argmax agrees. Logits stay in the models' dtype; `chunk` positions at a time go to fp32, so a
+    large vocabulary never needs a (B, T, V) fp32 copy.
+    """
+    if tokens.ndim != 2 or tokens.shape[1] < 1:
+        raise ValueError(f"agreement needs (num_seqs, seq_len) tokens, got shape {tuple(tokens.shape)}")
+    device = next(model.parameters()).device
+    modes = model.training, teacher.training
+    model.eval()
+    teacher.eval()
+    kl, agree, count = 0.0, 0, 0
+    for i in tqdm(range(0, tokens.shape[0], batch_size), desc=desc, leave=False):
+        ids = tokens[i:i + batch_size].to(device)
+        p = teacher(input_ids=ids, use_cache=False).logits  # (B, T, V)
+        q = model(input_ids=ids, use_cache=False).logits
+        if p.shape != q.shape:
+            raise ValueError(f"teacher and model logits differ in shape ({tuple(p.shape)} vs {tuple(q.shape)}): "
+                             "agreement needs the same vocabulary")
+        p, q = p.reshape(-1, p.shape[-1]), q.reshape(-1, q.shape[-1])  # (B*T, V)
+        for j in range(0, p.shape[0], chunk):
+            lp = F.log_softmax(p[j:j + chunk].float(), -1)
+            lq = F.log_softmax(q[j:j + chunk].float(), -1)
+            kl += F.kl_div(lq, lp, log_target=True, reduction="sum").item()
+            agree += (lp.argmax(-1) == lq.argmax(-1)).sum().item()
+        count += p.shape[0]
+    model.train(modes[0])
+    teacher.train(modes[1])
+    return {"kl": kl / count, "top1": agree / count, "tokens": count}
+
+
+def import_lm_eval():
+    """lm-evaluation-harness is an optional dependency (the `eval` extra), imported only when tasks are asked for."""
+    try:
+        import lm_eval
+        import lm_eval.models.huggingface  # noqa: F401
+        import lm_eval.tasks  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f'lm-eval tasks need lm-evaluation-harness ({e}); install it with: '
+                          'pip install "taylor-calibrate[eval]"') from e
+    return lm_eval
+
+
+def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None = None, limit: int | None = None,
+                  batch_size: int = 4) -> dict:
+    """Run lm-evaluation-harness tasks on the in-memory model: {task: {metric: value, ..., "samples": n}}.
+
+    Metric names are lm-eval's own ("acc,none", "acc_norm,none", ...). Tasks are looked up in `include_path`
+    (a directory of task YAML files) first and in lm-eval's built-in tasks only when some are not found there
+    (indexing the ~15k built-in tasks takes seconds). Built-in tasks load their data sets from the Hugging Face
+    hub, so offline they need a local task file (see tests/assets/tiny_mc.yaml).
+    """
+    lm_eval = import_lm_eval()
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    tasks = list(tasks)
+    manager = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
+    if manager is None or any(not manager.match_tasks([t]) for t in tasks):
+        manager = TaskManager(include_path=include_path)
+    missing = [t for t in tasks if not manager.match_tasks([t])]
+    if missing:
+        where = f"{include_path!r} or " if include_path else ""
+        raise ValueError(f"lm-eval task(s) {missing} not found in {where}lm-eval's built-in tasks; pass a directory "
+                         "of task YAML files with --lm_eval_include")
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, backend="causal")
+    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=False)
+    n = out.get("n-samples", {})
+    return {task: {**{k: float(v) if isinstance(v, (int, float)) else v for k, v in res.items()
+                      if k not in ("alias", "name", "sample_len")},
+                   "samples": n.get(task, {}).get("effective")}
+            for task, res in out["results"].items()}

@@ -99,3 +99,17 @@ def tiny_local_teacher(root, **over):
         .save_pretrained(teacher_dir)
     tokenizer.save_pretrained(teacher_dir)
     return teacher_dir, corpus
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The embedded teacher's real tokenizer (loading it from the GGUF takes seconds: once per session)."""
+    from transformers import AutoTokenizer
+
+    from taylor_calibrate.teacher import embedded_teacher_path
+
+    try:
+        path = embedded_teacher_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -1,0 +1,106 @@
+"""NIAH prompts (determinism, needle placement, length against the real tokenizer) and their scoring."""
+import random
+import re
+
+import pytest
+import torch
+
+from taylor_calibrate.retrieval import (TASKS, accuracy, generate_continuations, make_sample, make_samples,
+                                        niah_scores, tolerance)
+from conftest import tiny_teacher
+
+
+def _context(prompt: str) -> str:
+    """The haystack between the instruction line and the question line."""
+    return prompt.split("\n")[1]
+
+
+def test_samples_are_deterministic(smollm2_tokenizer):
+    for task in TASKS:
+        a = make_samples(task, smollm2_tokenizer, 512, 3, seed=1)
+        b = make_samples(task, smollm2_tokenizer, 512, 3, seed=1)
+        c = make_samples(task, smollm2_tokenizer, 512, 3, seed=2)
+        assert [s.prompt for s in a] == [s.prompt for s in b]
+        assert [s.answer for s in a] != [s.answer for s in c]
+        assert len({s.answer for s in a}) == 3, "each sample hides a different answer"
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_needle_holds_the_answer_at_its_depth(task, smollm2_tokenizer):
+    samples = make_samples(task, smollm2_tokenizer, 1024, 5)
+    assert [s.depth for s in samples] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    for s in samples:
+        ctx = _context(s.prompt)
+        assert ctx.count(s.needle) == 1 and s.answer in s.needle
+        assert s.prompt.count(s.answer) == (2 if task == "passkey" else 1), "the answer appears only in its needle"
+        where = ctx.index(s.needle) / (len(ctx) - len(s.needle))
+        assert abs(where - s.depth) < 0.06, (where, s.depth)  # needles move back to a sentence start
+        if task == "multikey":
+            key = re.search(r"magic number for (\S+) mentioned", s.prompt).group(1)
+            assert f"The special magic number for {key} is: {s.answer}." == s.needle
+            found = re.findall(r"magic number for (\S+) is: (\d{7})\.", ctx)
+            assert len(found) == 4 and len({k for k, _ in found}) == 4, "four needles with distinct keys"
+
+
+@pytest.mark.parametrize("length", [1024, 2048])
+def test_prompt_fills_the_length_in_real_tokens(length, smollm2_tokenizer):
+    budget = length - 16  # room for the 16 generated tokens
+    for task in TASKS:
+        for s in make_samples(task, smollm2_tokenizer, length, 2):
+            n = len(smollm2_tokenizer(s.prompt)["input_ids"])
+            assert budget - tolerance(budget) <= n <= budget, (task, n)
+
+
+def test_too_short_length_is_a_clear_error(smollm2_tokenizer):
+    with pytest.raises(ValueError, match="too short.*use a length >="):
+        make_sample("multikey", smollm2_tokenizer, 128, 0.5, random.Random(0))
+    with pytest.raises(ValueError, match="unknown NIAH task"):
+        niah_scores(torch.nn.Linear(1, 1), smollm2_tokenizer, tasks=("haystack",))
+
+
+class StubLM(torch.nn.Module):
+    """Answers every prompt by reading the asked needle out of it (oracle) or with a wrong number."""
+
+    def __init__(self, tokenizer, right: bool, max_positions: int = 4096):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.config = type("Config", (), {"max_position_embeddings": max_positions})()
+        self.tok, self.right, self.calls = tokenizer, right, []
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **kw):
+        self.calls.append(tuple(input_ids.shape))
+        rows = []
+        for ids, mask in zip(input_ids, attention_mask):
+            assert mask.cummax(0).values.equal(mask), "padding must be on the left"
+            text = self.tok.decode(ids[mask.bool()])
+            key = re.search(r"magic number for (\S+) mentioned", text)
+            pattern = rf"magic number for {key.group(1)} is: (\d+)\." if key else r"The pass key is (\d+)\."
+            answer = re.search(pattern, text).group(1) if self.right else "0000000"
+            new = self.tok(f" {answer}.", add_special_tokens=False)["input_ids"][:max_new_tokens]
+            rows.append(new + [kw["pad_token_id"]] * (max_new_tokens - len(new)))
+        return torch.cat([input_ids, torch.tensor(rows)], 1)
+
+
+def test_scores_one_for_right_answers_zero_for_wrong(smollm2_tokenizer):
+    for right in (True, False):
+        stub = StubLM(smollm2_tokenizer, right, max_positions=1024)
+        scores = niah_scores(stub, smollm2_tokenizer, lengths=(512, 1024, 2048), samples=3, batch_size=2)
+        want = 1.0 if right else 0.0
+        assert scores == {t: {"512": want, "1024": want, "2048": None} for t in TASKS}, scores
+        assert [b for b, _ in stub.calls] == [2, 1] * 6, "3 samples per cell in batches of 2"
+
+
+def test_batched_generation_equals_one_by_one(smollm2_tokenizer, single_thread):
+    """Left padding must not change a greedy continuation, for a plain HF model and for the hybrid."""
+    from taylor_calibrate.config import GDNConfig
+    from taylor_calibrate.model.hybrid import convert_teacher
+
+    teacher = tiny_teacher("llama", vocab_size=len(smollm2_tokenizer))
+    hybrid = convert_teacher(teacher, [1, 2], GDNConfig())
+    samples = make_samples("single", smollm2_tokenizer, 256, 2) + make_samples("passkey", smollm2_tokenizer, 200, 1)
+    prompts = [s.prompt for s in samples]
+    assert len({len(smollm2_tokenizer(p)["input_ids"]) for p in prompts}) > 1, "the batch needs padding"
+    for model in (teacher, hybrid):
+        one = generate_continuations(model, smollm2_tokenizer, prompts, max_new_tokens=6, batch_size=1)
+        assert generate_continuations(model, smollm2_tokenizer, prompts, max_new_tokens=6, batch_size=3) == one
+        assert accuracy(model, smollm2_tokenizer, samples, 6, 3) == 0.0, "a random model cannot know the numbers"
