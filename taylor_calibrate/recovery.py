@@ -104,7 +104,8 @@ def _niah(model, tokenizer, args, device, desc):
     if not args.niah:
         return None
     with autocast(device):
-        return niah_scores(model, tokenizer, lengths=args.niah_lengths, samples=args.niah_samples, desc=desc)
+        return niah_scores(model, tokenizer, lengths=args.niah_lengths, samples=args.niah_samples,
+                           batch_size=args.niah_samples, max_new_tokens=12, desc=desc)
 
 
 def plot_curves(result: dict, path: Path) -> None:
@@ -152,8 +153,10 @@ def markdown(result: dict) -> str:
                     lines.append(f"| {policy} | {init} | " + " | ".join(
                         f"{_mean_at(run['niah']['start'], n):.2f} -> {_mean_at(run['niah']['end'], n):.2f}"
                         for n in result["niah_lengths"]) + " |")
-    lines += ["", f"Throughput {result['throughput_tokens_per_s']:,.0f} tokens/s"
-              + (f", MFU {result['mfu']:.1%}" if result.get("mfu") else ""), "", f"Command: `{result['command']}`"]
+    if result.get("throughput_tokens_per_s"):
+        lines += ["", f"Distillation throughput {result['throughput_tokens_per_s']:,.0f} tokens/s"
+                  + (f", MFU {result['mfu']:.1%}" if result.get("mfu") else "")]
+    lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines) + "\n"
 
 
@@ -199,6 +202,31 @@ def run_recovery(args: RecoveryArgs) -> dict:
 
     results: dict[str, dict] = {p: {} for p in policies}
     speeds = []
+
+    def summarize() -> dict:
+        """recovery.json / .md / curves from the runs finished so far (rewritten after each run)."""
+        for policy, rs in results.items():
+            if "copy" in rs and "taylor+align" in rs:
+                rs["tokens_to_match"] = tokens_to_match(rs["copy"], rs["taylor+align"])
+            if "align" in rs and "taylor+align" in rs:
+                rs["tokens_to_match_phase2only"] = tokens_to_match(rs["align"], rs["taylor+align"])
+        tps = [s for s, _ in speeds if s]
+        mfus = [m for _, m in speeds if m]
+        result = {
+            "teacher": args.teacher, "teacher_loss": teacher_loss, "budget_tokens": args.train.tokens,
+            "kept_fraction": len(kept[policies[0]]) / n, "kept": kept, "policy_scores": scores, "policies": results,
+            "teacher_niah": teacher_niah, "niah_lengths": args.niah_lengths,
+            "throughput_tokens_per_s": sum(tps) / len(tps) if tps else None,
+            "mfu": sum(mfus) / len(mfus) if mfus else None,
+            "align": {m: {k: v for k, v in r.items() if k != "layers"} for m, r in align_reports.items()},
+            "profile": profile, "backend": backend, "train_backend": train_backend, "device": str(device),
+            "wall_s": time.perf_counter() - t0, "command": args.command or "taylor-calibrate recovery", "args": asdict(args),
+        }
+        write_json(out / "recovery.json", result)
+        (out / "recovery.md").write_text(markdown(result))
+        plot_curves(result, out / "recovery_curves.png")
+        return result
+
     for policy, init in runs:
         run_dir = out / "runs" / f"{policy}__{init}"
         done = run_dir / "result.json"
@@ -224,29 +252,13 @@ def run_recovery(args: RecoveryArgs) -> dict:
         write_json(done, res)
         results[policy][init] = res
         speeds.append((res["tokens_per_s"], res["mfu"]))
+        summarize()
+        print(f"recovery: {policy} / {init}: held-out loss {res['heldout_loss'][0]:.4f} -> {res['heldout_loss'][-1]:.4f}"
+              f" at {rep['tokens_per_s'] or 0:,.0f} tokens/s")
         del hybrid
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    for policy, rs in results.items():
-        if "copy" in rs and "taylor+align" in rs:
-            rs["tokens_to_match"] = tokens_to_match(rs["copy"], rs["taylor+align"])
-        if "align" in rs and "taylor+align" in rs:
-            rs["tokens_to_match_phase2only"] = tokens_to_match(rs["align"], rs["taylor+align"])
-    tps = [s for s, _ in speeds if s]
-    mfus = [m for _, m in speeds if m]
-    result = {
-        "teacher": args.teacher, "teacher_loss": teacher_loss, "budget_tokens": args.train.tokens,
-        "kept_fraction": len(kept[policies[0]]) / n, "kept": kept, "policy_scores": scores, "policies": results,
-        "teacher_niah": teacher_niah, "niah_lengths": args.niah_lengths,
-        "throughput_tokens_per_s": sum(tps) / len(tps) if tps else None,
-        "mfu": sum(mfus) / len(mfus) if mfus else None,
-        "align": {m: {k: v for k, v in r.items() if k != "layers"} for m, r in align_reports.items()},
-        "profile": profile, "backend": backend, "train_backend": train_backend, "device": str(device),
-        "wall_s": time.perf_counter() - t0, "command": args.command or "taylor-calibrate recovery", "args": asdict(args),
-    }
-    write_json(out / "recovery.json", result)
-    (out / "recovery.md").write_text(markdown(result))
-    plot_curves(result, out / "recovery_curves.png")
+    result = summarize()
     print("\n" + markdown(result))
     return result
