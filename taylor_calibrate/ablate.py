@@ -37,26 +37,31 @@ def parse_init(spec: str) -> tuple[str, bool]:
     return method, rest == "align"
 
 
-def build_all(model, stats, targets, specs: list[tuple[str, bool]], args, backend: str):
-    """Mixers for *every* layer for each (method, aligned) spec (plus taylor phase 1, which greedy needs):
-    phase 1 once per method, alignment once per aligned method. Returns (built, alignment reports)."""
-    every = list(range(model.config.num_hidden_layers))
+def build_all(model, stats, targets, specs: list[tuple[str, bool]], args, backend: str, policies: list[str],
+              calib: torch.Tensor):
+    """Phase 1 on *every* layer for each method of `specs` (plus taylor, which greedy scores with), then each
+    policy's kept layers, then alignment of each aligned method on just the layers some policy converts.
+    Returns (built {(method, aligned): {layer: mixer}}, alignment reports, kept, policy scores)."""
+    n = model.config.num_hidden_layers
     built: dict[tuple[str, bool], dict] = {}
     align_reports = {}
     for method in dict.fromkeys(m for m, _ in specs + [("taylor", False)]):
-        built[(method, False)], _ = calibrated_mixers(model, stats, every, method, args.calib, args.gdn, backend,
-                                                      args.seed)
+        built[(method, False)], _ = calibrated_mixers(model, stats, list(range(n)), method, args.calib, args.gdn,
+                                                      backend, args.seed)
+    kept, scores = choose_layers(model, policies, built, calib, args)
+    converted = sorted({i for p in policies for i in gdn_layers(kept[p], n)})
     train_backend = training_backend(backend, args.backend, any(a for _, a in specs))
     for method, aligned in specs:
         if aligned and (method, True) not in built:
-            mixers = copy.deepcopy(built[(method, False)])
+            mixers = {i: copy.deepcopy(built[(method, False)][i]) for i in converted}
             for m in mixers.values():
                 m.backend = train_backend
-            align_reports[method] = align_layers(mixers, stats.inputs, targets, args.phase2)
+            align_reports[method] = align_layers(mixers, {i: stats.inputs[i] for i in converted},
+                                                 {i: targets[i] for i in converted}, args.phase2)
             for m in mixers.values():
                 m.backend = backend
             built[(method, True)] = mixers
-    return built, align_reports
+    return built, align_reports, kept, scores
 
 
 def choose_layers(model, policies: list[str], built: dict, calib: torch.Tensor, args):
@@ -111,8 +116,8 @@ def run_ablate(args: AblateArgs) -> dict:
     stats = collect_stats(model, splits.calib, store_layers=every, batch_size=args.eval_batch_size, store_device=device)
     targets = attention_targets(model, stats, every)
 
-    built, align_reports = build_all(model, stats, targets, specs, args, backend)
-    kept, scores = choose_layers(model, args.policies, built, splits.calib, args)
+    built, align_reports, kept, scores = build_all(model, stats, targets, specs, args, backend, args.policies,
+                                                   splits.calib)
 
     rows = []
     for policy in args.policies:

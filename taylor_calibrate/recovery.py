@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from taylor_calibrate.ablate import build_all, check_policies, choose_layers, parse_init
+from taylor_calibrate.ablate import build_all, check_policies, parse_init
 from taylor_calibrate.align import autocast
 from taylor_calibrate.config import RecoveryArgs, apply_profile, apply_train_profile
 from taylor_calibrate.convert import attention_targets, training_backend
@@ -73,31 +73,38 @@ def parse_runs(args: RecoveryArgs) -> list[tuple[str, str]]:
 
 
 def _cached_mixers(model, args, path: Path):
-    """Mixers of every layer from `path`: copy-only modules, then the saved state."""
-    mixers = make_mixers(model, list(range(model.config.num_hidden_layers)), args.gdn, args.seed)
+    """Mixers saved in `path` (the layers it holds): copy-only modules, then the saved state."""
     state = load_file(str(path), device=str(next(model.parameters()).device))
+    layers = sorted({int(k.split(".", 1)[0]) for k in state})
+    mixers = make_mixers(model, layers, args.gdn, args.seed)
     for i, m in mixers.items():
         m.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == str(i)})
     return mixers
 
 
-def build_or_load(model, splits, specs, args, backend, device, cache: Path):
-    """built[(method, aligned)] for every spec (+ taylor phase 1), from the cache when a previous run saved it."""
+def build_or_load(model, splits, specs, policies, args, backend, device, cache: Path):
+    """(built, alignment reports, kept, scores) as `ablate.build_all` gives them, from the cache of a previous
+    (killed) run when it wrote one: mixers as safetensors, kept layers as JSON."""
     keys = list(dict.fromkeys(specs + [("taylor", False)]))
     files = {k: cache / f"{k[0]}{'+align' if k[1] else ''}.safetensors" for k in keys}
-    if all(f.exists() for f in files.values()):
-        log.info("recovery: mixers from %s", cache)
-        return {k: _cached_mixers(model, args, f) for k, f in files.items()}, {}
+    layers_file = cache / "layers.json"
+    if layers_file.exists() and all(f.exists() for f in files.values()):
+        saved = json.loads(layers_file.read_text())
+        if set(saved["kept"]) >= set(policies):
+            log.info("recovery: mixers and kept layers from %s", cache)
+            return {k: _cached_mixers(model, args, f) for k, f in files.items()}, {}, saved["kept"], saved["scores"]
     every = list(range(model.config.num_hidden_layers))
     stats = collect_stats(model, splits.calib, store_layers=every, batch_size=args.eval_batch_size, store_device=device)
-    built, reports = build_all(model, stats, attention_targets(model, stats, every), specs, args, backend)
+    built, reports, kept, scores = build_all(model, stats, attention_targets(model, stats, every), specs, args,
+                                             backend, policies, splits.calib)
     cache.mkdir(parents=True, exist_ok=True)
     for k, f in files.items():
         tmp = f.with_suffix(".tmp")
         save_file({f"{i}.{n}": t.detach().contiguous() for i, m in built[k].items() for n, t in m.state_dict().items()},
                   str(tmp))
         tmp.replace(f)
-    return built, reports
+    write_json(layers_file, {"kept": kept, "scores": scores})
+    return built, reports, kept, scores
 
 
 def _niah(model, tokenizer, args, device, desc):
@@ -183,16 +190,9 @@ def run_recovery(args: RecoveryArgs) -> dict:
     splits = load_splits(d, tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs,
                          train_seqs=math.ceil(args.train.tokens / d.seq_len))
     specs = list(dict.fromkeys(parse_init(i) for _, i in runs))
-    built, align_reports = build_or_load(model, splits, specs, args, backend, device, out / "mixers")
-
     policies = list(dict.fromkeys(p for p, _ in runs))
-    layers_file = out / "layers.json"
-    if layers_file.exists():
-        saved = json.loads(layers_file.read_text())
-        kept, scores = saved["kept"], saved["scores"]
-    else:
-        kept, scores = choose_layers(model, policies, built, splits.calib, args)
-        write_json(layers_file, {"kept": kept, "scores": scores})
+    built, align_reports, kept, scores = build_or_load(model, splits, specs, policies, args, backend, device,
+                                                       out / "mixers")
 
     teacher_loss = heldout_eval(model, model, splits.heldout, args.eval_batch_size, Dist(), device)["heldout_loss"]
     teacher_niah_file = out / "teacher_niah.json"

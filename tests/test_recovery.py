@@ -66,3 +66,18 @@ def test_rerun_resumes_from_finished_runs(recovered):
         again = run_recovery(args)
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/result.json")} == stamp  # nothing re-run
     assert again["policies"]["uniform"]["copy"] == result["policies"]["uniform"]["copy"]
+
+
+def test_alignment_covers_only_converted_layers(recovered):
+    """Phase 2 runs on the union of the layers the policies convert (kept layers are never aligned)."""
+    from safetensors.torch import load_file
+
+    from taylor_calibrate.policy import gdn_layers
+
+    _, result, out = recovered
+    union = sorted({i for kept in result["kept"].values() for i in gdn_layers(kept, 4)})
+    for name in ("copy+align", "taylor+align"):
+        layers = sorted({int(k.split(".", 1)[0]) for k in load_file(str(out / "mixers" / f"{name}.safetensors"))})
+        assert layers == union
+    phase1 = sorted({int(k.split(".", 1)[0]) for k in load_file(str(out / "mixers" / "taylor.safetensors"))})
+    assert phase1 == [0, 1, 2, 3]
