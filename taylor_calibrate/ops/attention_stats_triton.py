@@ -45,7 +45,7 @@ def _attention_stats_kernel(
     B, H, T, GROUPS,  # GROUPS = H // Hkv
     scale, softcap, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
@@ -74,7 +74,10 @@ def _attention_stats_kernel(
         cols = start_n + cols0  # key positions s
         k = tl.load(k_base + cols[:, None] * stride_kt + dims[None, :] * stride_kd,
                     mask=(cols[:, None] < T) & dim_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-        x = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N) fp32 scores
+        if IEEE:  # fp32 inputs: full-precision products, as the torch path (not TF32)
+            x = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N) fp32 scores
+        else:  # bf16 / fp16: exact products accumulated in fp32 on the tensor cores
+            x = tl.dot(q, tl.trans(k)) * scale
         if HAS_SOFTCAP:
             x = _tanh(x / softcap) * softcap
         dist = rows[:, None] - cols[None, :]  # t - s (int32, exact)
@@ -161,6 +164,7 @@ def attention_stats_triton(q: torch.Tensor, k: torch.Tensor, scale: float, windo
         q, k, out, *q.stride(), *k.stride(), B, H, T, groups,
         float(scale), float(softcap or 0.0), int(window or 0),
         HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=bm, BLOCK_N=bn,
-        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=window is not None, num_warps=warps, num_stages=2,
+        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+        num_warps=warps, num_stages=2,
     )
     return dict(zip(OUTPUTS, out.unbind(0)))
