@@ -225,10 +225,13 @@ def part_stats(a, device, dtype, res, save):
         row["stats_s"], row["stats_peak_mb"], row["stored_mb"] = min(r[1] for r in runs), mb(runs[0][2]), mb(runs[0][0])
         row["stats_vs_forward"] = ratio(row["stats_s"], row["forward_s"])
         free(device)
-        if T in torch_T and backend != "torch":
-            stored, row["stats_torch_s"], peak = measure(lambda: stats_pass(ids, "torch"), device)
-            row["stats_torch_peak_mb"] = mb(peak)
-            row["stats_torch_vs_forward"] = ratio(row["stats_torch_s"], row["forward_s"])
+        if T in torch_T and backend != "torch":  # the PyTorch statistics path, for comparison
+            try:
+                _, row["stats_torch_s"], peak = measure(lambda: stats_pass(ids, "torch"), device)
+                row["stats_torch_peak_mb"] = mb(peak)
+                row["stats_torch_vs_forward"] = ratio(row["stats_torch_s"], row["forward_s"])
+            except torch.OutOfMemoryError as e:
+                row["stats_torch_error"] = f"OOM: {str(e).splitlines()[0]}"
             free(device)
         detail["rows"][str(T)] = row
         if T in ratio_T:
@@ -261,6 +264,8 @@ def part_scale(a, device, dtype, res, save, tokenizer, tokenizer_name):
         if a.tiny:
             args.data = DataArgs(seq_len=64, calib_seqs=4, eval_seqs=4)
             args.phase2 = AlignArgs(steps=4, batch_size=2, log_every=2)
+        if a.scale_align_steps is not None:
+            args.phase2.steps = a.scale_align_steps
         row = {"shape": shape, "tokenizer": tokenizer_name}
         try:
             report = convert_loaded(args, teacher, t0, save=False)
@@ -446,6 +451,8 @@ def main(argv=None):
     ap.add_argument("--tokenizer", default="embedded", choices=("embedded", "bytes"),
                     help="scale part: the embedded teacher's tokenizer (falls back to bytes if not installed)")
     ap.add_argument("--repeats", type=int, default=2, help="stats part: best of N timings at the ratio lengths")
+    ap.add_argument("--scale-align-steps", type=int, default=None,
+                    help="scale part: alignment steps per layer (default: the profile's, 300 on a GPU)")
     for key, (full, _) in DEFAULTS.items():
         ap.add_argument("--" + key.replace("_", "-"), default=None, type=type(full), help=f"default {full}")
     a = ap.parse_args(argv)
@@ -494,6 +501,7 @@ def main(argv=None):
             traceback.print_exc()
             res.setdefault("errors", {})[part] = f"{type(e).__name__}: {e}"
         res["wall_s"][part] = time.perf_counter() - t
+        res.setdefault("commands", {})[part] = res["command"]  # parts may come from separate runs into one file
         save()
         free(device)
     print(json.dumps({k: v for k, v in res.items() if k not in ("stats", "scale", "inference")}, indent=2))
