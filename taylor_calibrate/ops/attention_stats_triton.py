@@ -42,7 +42,7 @@ def _attention_stats_kernel(
     Q, K, Out,  # q (B, H, T, D), k (B, Hkv, T, D), any strides; Out (6, B, H, T) fp32 contiguous
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
-    B, H, T, GROUPS,  # GROUPS = H // Hkv
+    H, T, GROUPS, PLANE,  # GROUPS = H // Hkv, PLANE = B * H * T (Out[i] holds output OUTPUTS[i])
     scale, softcap, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
@@ -120,7 +120,7 @@ def _attention_stats_kernel(
     ent_nosink = tl.where(rows == 0, nan, tl.log(l_i) - a_i / l_i)
     dist_nosink = tl.where(rows == 0, nan, d_i / l_i)
 
-    plane = B * H * T  # Out[i] holds output OUTPUTS[i]
+    plane = PLANE
     o = Out + pid_bh.to(tl.int64) * T + rows
     tl.store(o, tl.log(lf) - af / lf, mask=row_ok)  # entropy
     tl.store(o + plane, bf / lf, mask=row_ok)  # distance
@@ -161,7 +161,7 @@ def attention_stats_triton(q: torch.Tensor, k: torch.Tensor, scale: float, windo
         return dict(zip(OUTPUTS, out.unbind(0)))
     grid = (triton.cdiv(T, bm), B * H)
     _attention_stats_kernel[grid](
-        q, k, out, *q.stride(), *k.stride(), B, H, T, groups,
+        q, k, out, *q.stride(), *k.stride(), H, T, groups, B * H * T,
         float(scale), float(softcap or 0.0), int(window or 0),
         HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=bm, BLOCK_N=bn,
         HAS_SOFTCAP=bool(softcap), HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
