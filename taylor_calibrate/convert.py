@@ -27,7 +27,7 @@ from taylor_calibrate.ops.fla import check_fla_backward
 from taylor_calibrate.policy import SCORED, bypass_scores, gdn_layers, greedy_scores, kept_layers
 from taylor_calibrate.retrieval import niah_scores
 from taylor_calibrate.stats import TeacherStats, collect_stats
-from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+from taylor_calibrate.teacher import Teacher, load_teacher, resolve_device, resolve_dtype
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -82,14 +82,27 @@ def training_backend(backend: str, asked: str, needed: bool) -> str:
 def run_convert(args: ConvertArgs) -> dict:
     """Convert a teacher into a hybrid (phase 1 + phase 2 by default), evaluate both on held-out text, save it."""
     t0 = time.perf_counter()
+    device = resolve_device(args.device)
+    training_backend(resolve_backend(args.backend), args.backend, args.align)  # fail before the (long) load
+    teacher = load_teacher(args.teacher, device, resolve_dtype(args.dtype, device))
+    return convert_loaded(args, teacher, t0)
+
+
+def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None, save: bool = True) -> dict:
+    """The convert stage from a loaded teacher on (an in-memory one works too: benchmarks/perf.py times random-weight
+    teachers this way). `t0`: when the command started (load_teacher_s = time until now); `save=False` skips writing
+    the model and report.json and returns the report."""
+    t0 = time.perf_counter() if t0 is None else t0
     times = {}
     device = resolve_device(args.device)
+    on = next(teacher.model.parameters()).device
+    if on.type != device.type:
+        raise ValueError(f"the teacher is on {on} but device={args.device!r} resolves to {device}; move it first")
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.backend)
     profile = apply_profile(args, device.type)
     train_backend = training_backend(backend, args.backend, args.align)
 
-    teacher = load_teacher(args.teacher, device, dtype)
     n = teacher.model.config.num_hidden_layers
     if args.policy not in SCORED:
         kept = kept_layers(args.policy, n, args.keep_every)
@@ -164,11 +177,13 @@ def run_convert(args: ConvertArgs) -> dict:
         "stage_s": times,
         "args": asdict(args),
     }
-    t = time.perf_counter()
-    save_hybrid(hybrid, teacher.tokenizer, args.out)
-    times["save_s"] = time.perf_counter() - t
+    if save:
+        t = time.perf_counter()
+        save_hybrid(hybrid, teacher.tokenizer, args.out)
+        times["save_s"] = time.perf_counter() - t
     report["wall_s"] = time.perf_counter() - t0
-    write_json(Path(args.out) / REPORT, report)
+    if save:
+        write_json(Path(args.out) / REPORT, report)
 
     init = f"{args.init}{' + align' if args.align else ''}"
     print(f"\nconverted {args.teacher}: {len(converted)} of {n} layers -> GDN ({args.policy}), kept attention {kept}")
@@ -181,7 +196,7 @@ def run_convert(args: ConvertArgs) -> dict:
         ("backend / device / dtype", f"{backend} / {device} / {report['dtype']}"),
         ("stage seconds", ", ".join(f"{k[:-2]} {v:.0f}" for k, v in times.items())),
         ("wall time", f"{report['wall_s']:.1f} s"),
-        ("output", str(Path(args.out) / REPORT)),
+        ("output", str(Path(args.out) / REPORT) if save else "(not saved)"),
     ])
     return report
 

@@ -6,7 +6,9 @@ outputs y_l that the value scale and the alignment need.
 The statistics come from the teacher's *actual* attention (its RoPE, scaling, sliding windows, softcap): we register
 a transformers attention function that runs SDPA for the output and, beside it, an online-softmax pass over key
 blocks that keeps per query only running max m, l = sum e^(x-m), A = sum e^(x-m)(x-m) and B = sum e^(x-m)(t-s):
-O(T) memory per head, never the T x T matrix. Then H = log l - A/l and E[t-s] = B/l.
+O(T) memory per head, never the T x T matrix. Then H = log l - A/l and E[t-s] = B/l. The per-query statistics
+live in ops/ (attention_stats_torch.py: PyTorch, attention_stats_triton.py: one fused Triton pass on a GPU), picked by
+`backend` ("auto": Triton for CUDA tensors when it imports, else PyTorch).
 """
 from __future__ import annotations
 
@@ -20,92 +22,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from taylor_calibrate.ops import attention_stats
+from taylor_calibrate.ops.attention_stats_torch import attention_stats_naive  # noqa: F401  (public name, the reference)
+
 _IMPL = "taylor_stats"
-
-
-# --- per-query statistics: online (the product) and materialised (the reference) ------------------------------
-def _scores(q, k, scale, softcap):
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    return torch.tanh(s / softcap) * softcap if softcap else s
-
-
-def attention_stats(q, k, scale: float, window: int | None = None, softcap: float | None = None,
-                    block: int = 256) -> dict[str, torch.Tensor]:
-    """Per-query statistics of causal softmax attention, streamed over key blocks.
-
-    q: (B, H, T, D), k: (B, H, T, D) (GQA already expanded). Returns (B, H, T) fp32 tensors:
-    `entropy`, `distance` (E[t-s]), `diag` (p_tt), `sink` (p_t0), and their sink-dropped versions
-    `entropy_nosink`, `distance_nosink` (mass on key 0 removed, rows renormalised; NaN at t = 0).
-    `window` = sliding window W (key s visible iff 0 <= t - s < W), as transformers defines it.
-    """
-    B, H, T, _ = q.shape
-    q, k = q.float(), k.float()
-    pos = torch.arange(T, device=q.device)
-    out = {n: torch.empty(B, H, T, device=q.device) for n in ("entropy", "distance", "diag", "sink",
-                                                                 "entropy_nosink", "distance_nosink")}
-    for i0 in range(0, T, block):
-        i1 = min(i0 + block, T)
-        qb, tq = q[:, :, i0:i1], pos[i0:i1, None]  # (B, H, Bq, D), (Bq, 1)
-        m = torch.full((B, H, i1 - i0), -math.inf, device=q.device)
-        l, A, Bd = (torch.zeros_like(m) for _ in range(3))
-        j_start = 0 if window is None else max(0, i0 - window + 1) // block * block
-        for j0 in range(j_start, i1, block):
-            j1 = min(j0 + block, T)
-            s = _scores(qb, k[:, :, j0:j1], scale, softcap)  # (B, H, Bq, Bk)
-            dist = (tq - pos[None, j0:j1]).float()  # (Bq, Bk) = t - s
-            visible = dist >= 0
-            if window is not None:
-                visible &= dist < window
-            s = s.masked_fill(~visible, -math.inf)
-            m_new = torch.maximum(m, s.amax(-1))  # the max includes the sink key, for stability
-            r = torch.exp(m - m_new).nan_to_num(0.0)  # rescale old sums; 0 where m was -inf
-            m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet stay at 0
-            summed = visible & (pos[None, j0:j1] > 0)  # sums skip key 0: its term is added back exactly below
-            p = torch.where(summed, torch.exp(s - m_safe[..., None]), 0.0)
-            centred = torch.where(summed, s - m_safe[..., None], 0.0)
-            A = r * (A + l * (m - m_new).nan_to_num(0.0)) + (p * centred).sum(-1)
-            l = r * l + p.sum(-1)
-            Bd = r * Bd + (p * dist).sum(-1)
-            m = m_new
-        # diagonal and sink scores, computed directly (one dot product each per query)
-        s_diag = _scores(qb.unsqueeze(-2), k[:, :, i0:i1].unsqueeze(-2), scale, softcap)[..., 0, 0]
-        s_sink = _scores(qb, k[:, :, :1], scale, softcap)[..., 0]
-        e_sink = torch.exp(s_sink - m)
-        if window is not None:
-            e_sink = torch.where(tq[:, 0] < window, e_sink, 0.0)
-        t = tq[:, 0].float()
-        lf, Af, Bf = l + e_sink, A + e_sink * (s_sink - m), Bd + e_sink * t  # all keys = non-sink keys + key 0
-        sl = slice(i0, i1)
-        out["entropy"][:, :, sl] = torch.log(lf) - Af / lf
-        out["distance"][:, :, sl] = Bf / lf
-        out["diag"][:, :, sl] = torch.exp(s_diag - m) / lf
-        out["sink"][:, :, sl] = e_sink / lf
-        out["entropy_nosink"][:, :, sl] = torch.log(l) - A / l  # NaN at t = 0 (no non-sink key)
-        out["distance_nosink"][:, :, sl] = Bd / l
-    out["entropy_nosink"][:, :, 0] = math.nan
-    out["distance_nosink"][:, :, 0] = math.nan
-    return out
-
-
-def attention_stats_naive(q, k, scale: float, window: int | None = None, softcap: float | None = None):
-    """Reference for `attention_stats`: the full T x T probability matrix (small T only)."""
-    T = q.shape[2]
-    s = _scores(q.double(), k.double(), scale, softcap)
-    pos = torch.arange(T, device=q.device)
-    dist = (pos[:, None] - pos[None, :]).double()
-    visible = dist >= 0
-    if window is not None:
-        visible &= dist < window
-    p = torch.softmax(s.masked_fill(~visible, -math.inf), -1)
-    plogp = torch.where(p > 0, p * torch.log(p.clamp_min(1e-300)), 0.0)
-    p0 = p[..., 1:].clone()
-    p0 = p0 / p0.sum(-1, keepdim=True)  # row 0 has no non-sink key: NaN, as in the streamed version
-    plogp0 = torch.where(p0 > 0, p0 * torch.log(p0.clamp_min(1e-300)), 0.0)
-    out = {"entropy": -plogp.sum(-1), "distance": (p * dist).sum(-1), "diag": p.diagonal(dim1=-2, dim2=-1),
-           "sink": p[..., 0], "entropy_nosink": -plogp0.sum(-1), "distance_nosink": (p0 * dist[:, 1:]).sum(-1)}
-    out["entropy_nosink"][..., 0] = math.nan
-    out["distance_nosink"][..., 0] = math.nan
-    return {k_: v.float() for k_, v in out.items()}
 
 
 # --- per-layer accumulation ---------------------------------------------------------------------------------------
@@ -136,19 +56,18 @@ class TeacherStats:
 class _Collector:
     """Accumulates sums during the teacher pass; the attention function below feeds it."""
 
-    def __init__(self, store_layers, block, store_device):
+    def __init__(self, store_layers, block, store_device, backend="auto"):
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
         self.counts: dict[int, dict[str, torch.Tensor]] = {}
         self.windows: dict[int, int | None] = {}
         self.store_layers, self.block, self.store_device = set(store_layers), block, store_device
+        self.backend = backend
         self.inputs: dict[int, list] = {i: [] for i in store_layers}
         self.head_outputs: dict[int, list] = {i: [] for i in store_layers}
 
     def observe(self, module, query, key, out, scaling, window, softcap):
         idx = module.layer_idx
-        H = query.shape[1]
-        key = key.repeat_interleave(H // key.shape[1], dim=1)
-        st = attention_stats(query, key, scaling, window, softcap, self.block)
+        st = attention_stats(query, key, scaling, window, softcap, self.block, backend=self.backend)  # GQA: k unexpanded
         T = query.shape[2]
         n = torch.arange(1, T + 1, device=query.device).float()
         if window is not None:
@@ -235,9 +154,11 @@ def _collecting(model, collector):
 
 @torch.no_grad()
 def collect_stats(model, tokens: torch.Tensor, *, store_layers=(), batch_size: int = 4, block: int = 256,
-                  store_device: str | torch.device = "cpu", desc: str = "teacher statistics") -> TeacherStats:
-    """One teacher pass over `tokens` (N, T): statistics for every layer; inputs and head outputs for `store_layers`."""
-    collector = _Collector(store_layers, block, store_device)
+                  store_device: str | torch.device = "cpu", desc: str = "teacher statistics",
+                  backend: str = "auto") -> TeacherStats:
+    """One teacher pass over `tokens` (N, T): statistics for every layer; inputs and head outputs for `store_layers`.
+    `backend` picks the per-query statistics kernel (ops.STATS_BACKENDS)."""
+    collector = _Collector(store_layers, block, store_device, backend)
     device = next(model.parameters()).device
     with _collecting(model, collector):
         for i in tqdm(range(0, tokens.shape[0], batch_size), desc=desc, leave=False):

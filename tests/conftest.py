@@ -1,12 +1,19 @@
 """Shared fixtures: tiny random teachers of every supported architecture, on the CPU."""
 import contextlib
+import os
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-import taylor_calibrate  # noqa: F401  (registers the hybrid with the Auto* factories)
+if not torch.cuda.is_available():
+    # Triton kernels (ops/attention_stats_triton.py) can run on a CPU only under Triton's interpreter, which Triton
+    # picks when a kernel is decorated, i.e. at import; transformers imports triton, so set it before that.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+import taylor_calibrate  # noqa: F401,E402  (registers the hybrid with the Auto* factories)
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 

@@ -4,14 +4,24 @@
     backend "fla":   ops/fla.py, flash-linear-attention's Triton kernels, CUDA only
     backend "auto":  "fla" when fla imports and a GPU is visible, else "torch"; resolved once per
                      process and logged, never a silent fallback for an explicit "fla".
+
+Teacher attention statistics (METHOD.md section 3) have their own pair, chosen the same way:
+
+    backend "torch":  ops/attention_stats_torch.py, streamed over key blocks in PyTorch, any device (the CPU path)
+    backend "triton": ops/attention_stats_triton.py, one fused pass per layer, CUDA tensors only
+    backend "auto":   "triton" for CUDA tensors when triton imports, else "torch"; resolved once per device
+                      type and logged
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 
 import torch
 
+from . import attention_stats_torch as stats_torch
 from . import fla as fla_ops
 from . import reference
 from .reference import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
@@ -19,6 +29,7 @@ from .reference import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rul
 __all__ = [
     "BACKENDS", "MODES", "resolve_backend", "gated_delta_rule",
     "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "l2norm",
+    "STATS_BACKENDS", "resolve_stats_backend", "attention_stats",
 ]
 
 logger = logging.getLogger("taylor_calibrate")
@@ -92,3 +103,73 @@ def gated_delta_rule(
         output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm,
     )
+
+
+# --- attention statistics ----------------------------------------------------------------------------------------
+STATS_BACKENDS = ("auto", "torch", "triton")
+_stats_resolved: dict[tuple[str, str], str] = {}
+
+
+def _triton_import_reason() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton not installed"
+    try:
+        from . import attention_stats_triton  # noqa: F401
+    except Exception as e:  # a broken Triton install fails here, not at find_spec
+        return f"import triton failed: {type(e).__name__}: {e}"
+    return None
+
+
+def resolve_stats_backend(name: str, device: torch.device | str) -> str:
+    """Map a statistics backend choice to "torch" or "triton" for tensors on `device` (cached, logged once).
+
+    "auto" takes the kernel for CUDA tensors only. An explicit "triton" on CPU tensors is allowed only under Triton's
+    interpreter (TRITON_INTERPRET=1 before triton is imported): that is how the tests run the kernel without a GPU.
+    """
+    device = torch.device(device)
+    key = (name, device.type)
+    if key in _stats_resolved:
+        return _stats_resolved[key]
+    if name not in STATS_BACKENDS:
+        raise ValueError(f"unknown attention-statistics backend {name!r}; choose one of {', '.join(STATS_BACKENDS)}")
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if name == "torch":
+        reason = None
+    elif device.type != "cuda" and (name == "auto" or not interpreting):
+        reason = f"tensors on {device.type}"
+    else:
+        reason = _triton_import_reason()
+    if name == "triton" and reason is not None:
+        raise RuntimeError(f"attention-statistics backend 'triton' was requested but is unavailable ({reason}); it "
+                           "needs CUDA tensors and `pip install triton` (bundled with CUDA builds of torch), or use "
+                           "backend 'torch'.")
+    resolved = "torch" if name == "torch" or reason is not None else "triton"
+    logger.info("attention-statistics backend (%s tensors): %s -> %s%s", device.type, name, resolved,
+                f" ({reason})" if reason else "")
+    _stats_resolved[key] = resolved
+    return resolved
+
+
+def attention_stats(q: torch.Tensor, k: torch.Tensor, scale: float, window: int | None = None,
+                    softcap: float | None = None, block: int = 256, *, backend: str = "auto") -> dict[str, torch.Tensor]:
+    """Per-query attention statistics (see ops/attention_stats_torch.py): q (B, H, T, D), k (B, Hkv, T, D) with Hkv
+    dividing H (GQA) -> dict of (B, H, T) fp32 tensors. `block` is the torch path's key block.
+
+    With backend "auto", fp64 inputs take the torch path, and a kernel that fails to compile or launch on this GPU is reported once (warning, with the
+    error) and the torch path takes over for the rest of the process; an explicit "triton" raises instead.
+    """
+    resolved = resolve_stats_backend(backend, q.device)
+    if resolved == "triton" and (backend == "triton" or q.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        from .attention_stats_triton import attention_stats_triton
+
+        try:
+            return attention_stats_triton(q, k, scale, window, softcap)
+        except (torch.OutOfMemoryError, ValueError, TypeError):
+            raise  # bad input or a full GPU: the torch path would not do better
+        except Exception as e:
+            if backend != "auto":
+                raise
+            logger.warning("the Triton attention-statistics kernel failed here (%s: %s); backend auto -> torch for "
+                           "the rest of this process", type(e).__name__, e)
+            _stats_resolved["auto", q.device.type] = "torch"
+    return stats_torch.attention_stats(q, k, scale, window, softcap, block)

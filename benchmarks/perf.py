@@ -1,0 +1,513 @@
+"""Performance at real model shapes (random weights, one GPU): the statistics pass, the whole conversion, inference.
+
+Parts (pick with --parts; each finishes well inside 10 minutes on one H200; the JSON is rewritten after every
+measured row, so a killed run keeps what it measured; a markdown twin is written beside it):
+
+  stats      Qwen2.5-1.5B-shaped teacher (bf16): `collect_stats` as `convert` calls it (GDN layers stored on the
+             GPU) against a plain teacher forward, at T = 8K and 32K, batch 1 (`stats_vs_forward`), with the torch
+             statistics path beside the default one; peak GPU memory of the pass above the weights at T = 1K..32K.
+  scale      the default conversion (statistics, phase 1, phase 2, held-out evaluation; full profile) per stage, with
+             peak memory, for the 1.5B shape and a Qwen3-8B shape, teachers built in memory (convert.convert_loaded).
+  inference  1.5B-shape hybrid (uniform, keep_every 4: 7 attention + 21 GDN layers, copy-only mixers: speed does not
+             depend on the init) against its teacher (SDPA): prefill and decode throughput at 4K..64K, batch 1 and 8,
+             and cache bytes per sequence (KV of attention layers + GDN recurrent / conv state).
+
+Ratios: *_speedup = teacher seconds / hybrid seconds (> 1: the hybrid is faster); cache_bytes_ratio = hybrid bytes /
+teacher bytes; stats_vs_forward = statistics-pass seconds / forward seconds. `--tiny` runs every part on tiny shapes
+(CPU is fine) to check the script end to end.
+
+    python benchmarks/perf.py --parts stats --out benchmarks/results/perf_h200.json
+    python benchmarks/perf.py --parts stats,scale,inference --tiny --out /tmp/perf_tiny.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from taylor_calibrate import ops
+from taylor_calibrate.config import AlignArgs, ConvertArgs, DataArgs, GDNConfig
+from taylor_calibrate.convert import convert_loaded
+from taylor_calibrate.model.hybrid import convert_teacher
+from taylor_calibrate.policy import gdn_layers, kept_layers
+from taylor_calibrate.stats import collect_stats
+from taylor_calibrate.teacher import Teacher, embedded_teacher_path, resolve_device
+
+# Teacher shapes (config fields of the public checkpoints; random weights)
+SHAPES = {
+    "1p5b": ("qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                           head_dim=128, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
+                           use_sliding_window=False, max_position_embeddings=131072)),
+    "8b": ("qwen3", dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False,
+                         max_position_embeddings=131072)),  # Qwen3: q/k RMSNorm built in
+}
+TINY_SHAPES = {
+    "1p5b": ("qwen2", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
+                           use_sliding_window=False)),
+    "8b": ("qwen3", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=False)),
+}
+# flag defaults: (full, tiny)
+DEFAULTS = {
+    "stats_lengths": ("1024,2048,4096,8192,32768", "32,64"),
+    "ratio_lengths": ("8192,32768", "64"),
+    "torch_lengths": ("8192,32768", "64"),
+    "scale_shapes": ("1p5b,8b", "1p5b,8b"),
+    "contexts": ("4096,16384,32768,65536", "32,64"),
+    "batches": ("1,8", "1,2"),
+    "decode_steps": (32, 3),
+}
+PARTS = ("stats", "scale", "inference")
+MB = 2 ** 20
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def build_teacher(shape: str, tiny: bool, device: torch.device, dtype: torch.dtype):
+    """A random-weight causal LM of the named shape, built directly on `device` (no checkpoint on disk)."""
+    arch, kw = (TINY_SHAPES if tiny else SHAPES)[shape]
+    cfg = AutoConfig.for_model(arch, **kw)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+class ByteTokenizer:
+    """Stand-in when the embedded teacher's tokenizer is not installed: UTF-8 bytes (timing does not depend on it)."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode("utf-8", "replace"))}
+
+
+def load_tokenizer(kind: str):
+    """The embedded teacher's tokenizer (vocab 49152, below every shape's vocab), else bytes; returns (tok, what)."""
+    if kind == "embedded":
+        try:
+            from transformers import AutoTokenizer
+
+            path = embedded_teacher_path()
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), "smollm2-135m (embedded)"
+        except Exception as e:  # noqa: BLE001  (recorded in the JSON, and the run goes on)
+            print(f"[perf] embedded tokenizer unavailable ({type(e).__name__}: {e}); using bytes", flush=True)
+            return ByteTokenizer(), f"bytes (embedded unavailable: {type(e).__name__})"
+    return ByteTokenizer(), "bytes"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(fn, device: torch.device):
+    """Run fn once: (its result, seconds, peak bytes allocated above what was allocated before; None on CPU)."""
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    seconds = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
+    return out, seconds, peak
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated() if device.type == "cuda" else None
+
+
+def mb(x):
+    return None if x is None else x / MB
+
+
+def ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def tensor_bytes(x) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+def cache_bytes(cache) -> int:
+    """Bytes held by a transformers cache: keys/values of attention layers, recurrent and conv states of GDN layers."""
+    total = 0
+    for layer in cache.layers:
+        total += tensor_bytes(getattr(layer, "keys", None)) + tensor_bytes(getattr(layer, "values", None))
+        for states in ("recurrent_states", "conv_states"):
+            total += sum(tensor_bytes(x) for x in (getattr(layer, states, None) or {}).values())
+    return total
+
+
+@contextlib.contextmanager
+def counting_gdn_kernels():
+    """Count which GDN implementation (backend/mode) the dispatcher runs, e.g. {"fla/recurrent": 672}."""
+    counts = collections.Counter()
+    saved = dict(ops._IMPLS)
+
+    def wrap(key, fn):
+        def counted(*args, **kwargs):
+            counts["/".join(key)] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    ops._IMPLS.update({key: wrap(key, fn) for key, fn in saved.items()})
+    try:
+        yield counts
+    finally:
+        ops._IMPLS.update(saved)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+# ----------------------------------------------------------------------------- part a: statistics pass
+
+
+def part_stats(a, device, dtype, res, save):
+    model = build_teacher("1p5b", a.tiny, device, dtype)
+    weights = allocated(device)
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    store = gdn_layers(kept_layers("uniform", n, 4), n)  # what `convert` stores for phase 1 and 2
+    backend = ops.resolve_stats_backend("auto", device)
+    mem_T, ratio_T, torch_T = ints(a.stats_lengths), ints(a.ratio_lengths), ints(a.torch_lengths)
+    detail = res.setdefault("stats", {})
+    detail.update(shape="qwen2.5-1.5b" + (" (tiny)" if a.tiny else ""), batch=1, stats_backend=backend,
+                  stored_layers=len(store), weights_mb=mb(weights), rows={})
+    gen = torch.Generator().manual_seed(0)
+
+    def stats_pass(ids, which):
+        st = collect_stats(model, ids, store_layers=store, batch_size=1, store_device=device, backend=which)
+        stored = sum(tensor_bytes(x) for d in (st.inputs, st.head_outputs) for x in d.values())
+        del st
+        return stored
+
+    def forward(ids_dev):
+        model(input_ids=ids_dev, use_cache=False)
+
+    for i, T in enumerate(sorted(set(mem_T + ratio_T + torch_T))):
+        ids = torch.randint(0, cfg.vocab_size, (1, T), generator=gen)
+        ids_dev = ids.to(device)
+        if i == 0:  # compile / autotune once (kernels do not re-specialise for other multiples of 16)
+            forward(ids_dev)
+            stats_pass(ids, "auto")
+            free(device)
+        repeats = a.repeats if T in ratio_T else 1
+        row = {}
+        runs = [measure(lambda: forward(ids_dev), device) for _ in range(repeats)]
+        row["forward_s"] = min(r[1] for r in runs)
+        row["forward_peak_mb"] = mb(runs[0][2])
+        free(device)
+        runs = [measure(lambda: stats_pass(ids, "auto"), device) for _ in range(repeats)]
+        row["stats_s"], row["stats_peak_mb"], row["stored_mb"] = min(r[1] for r in runs), mb(runs[0][2]), mb(runs[0][0])
+        row["stats_vs_forward"] = ratio(row["stats_s"], row["forward_s"])
+        free(device)
+        if T in torch_T and backend != "torch":  # the PyTorch statistics path, for comparison
+            try:
+                _, row["stats_torch_s"], peak = measure(lambda: stats_pass(ids, "torch"), device)
+                row["stats_torch_peak_mb"] = mb(peak)
+                row["stats_torch_vs_forward"] = ratio(row["stats_torch_s"], row["forward_s"])
+            except torch.OutOfMemoryError as e:
+                row["stats_torch_error"] = f"OOM: {str(e).splitlines()[0]}"
+            free(device)
+        detail["rows"][str(T)] = row
+        if T in ratio_T:
+            res.setdefault("stats_vs_forward", {})[str(T)] = row["stats_vs_forward"]
+            if "stats_torch_vs_forward" in row:
+                res.setdefault("stats_vs_forward_torch", {})[str(T)] = row["stats_torch_vs_forward"]
+        if T in mem_T:
+            res.setdefault("stats_peak_mem_mb", {})[str(T)] = row["stats_peak_mb"]
+        print(f"[stats] T={T}: " + json.dumps(row), flush=True)
+        save()
+    del model
+    free(device)
+
+
+# ----------------------------------------------------------------------------- part b: the whole conversion
+
+
+def part_scale(a, device, dtype, res, save, tokenizer, tokenizer_name):
+    detail = res.setdefault("scale", {})
+    for shape in a.scale_shapes.split(","):
+        free(device)
+        before = allocated(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()  # load_teacher_s = building the random teacher
+        model = build_teacher(shape, a.tiny, device, dtype)
+        weights = None if before is None else allocated(device) - before
+        teacher = Teacher(model=model, tokenizer=tokenizer, name=f"random {shape} shape")
+        args = ConvertArgs(teacher=f"random-{shape}", device=device.type, dtype=str(dtype).replace("torch.", ""))
+        if a.tiny:
+            args.data = DataArgs(seq_len=64, calib_seqs=4, eval_seqs=4)
+            args.phase2 = AlignArgs(steps=4, batch_size=2, log_every=2)
+        if a.scale_align_steps is not None:
+            args.phase2.steps = a.scale_align_steps
+        row = {"shape": shape, "tokenizer": tokenizer_name}
+        try:
+            report = convert_loaded(args, teacher, t0, save=False)
+            peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
+            row.update(wall_s=report["wall_s"], stage_s=report["stage_s"], peak_mem_mb=mb(peak), weights_mb=mb(weights),
+                       profile=report["profile"], backend=report["backend"], dtype=report["dtype"],
+                       gdn_layers=len(report["gdn_layers"]), calib_tokens=report["calib_tokens"],
+                       eval_tokens=report["eval_tokens"], teacher_params=report["teacher_params"],
+                       hybrid_params=report["hybrid_params"], teacher_ppl=report["teacher_ppl"],
+                       hybrid_ppl=report["hybrid_ppl"],
+                       align_steps=args.phase2.steps, align_batch=args.phase2.batch_size)
+            res[f"convert_{shape}_s"] = report["wall_s"]
+        except torch.OutOfMemoryError as e:
+            row.update(wall_s=None, error=f"OOM: {str(e).splitlines()[0]}")
+            res[f"convert_{shape}_s"] = None
+        detail[shape] = row
+        print(f"[scale] {shape}: " + json.dumps(row), flush=True)
+        save()
+        del teacher, model
+        free(device)
+
+
+# ----------------------------------------------------------------------------- part c: inference
+
+
+def step(model, tok, cache):
+    out = model(input_ids=tok, cache=cache, use_cache=True)
+    return out.logits[:, -1:].argmax(-1)
+
+
+def generation_row(model, B, ctx, steps, vocab, device):
+    """Prefill B x ctx tokens (logits of the last token only, as generate does), then `steps` greedy 1-token steps
+    through the model's own cache (transformers' DynamicCache from the config's layer_types). Each is timed after an
+    untimed run of the same shape."""
+    ids = torch.randint(0, vocab, (B, ctx), device=device)
+    model(input_ids=ids, use_cache=True, logits_to_keep=1)  # warm-up at this shape (kernels may autotune per shape)
+    free(device)
+    out, prefill_s, prefill_peak = measure(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), device)
+    cache, tok = out.cache, out.logits[:, -1:].argmax(-1)
+    del out
+    per_seq = cache_bytes(cache) / B
+    for _ in range(2):  # first steps at a new batch size may compile / autotune
+        tok = step(model, tok, cache)
+
+    def decode():
+        nonlocal tok
+        for _ in range(steps):
+            tok = step(model, tok, cache)
+
+    _, decode_s, decode_peak = measure(decode, device)
+    del cache
+    return {"prefill_s": prefill_s, "prefill_tok_s": B * ctx / prefill_s, "prefill_peak_mb": mb(prefill_peak),
+            "decode_s": decode_s, "decode_ms_per_step": 1e3 * decode_s / steps, "decode_tok_s": B * steps / decode_s,
+            "decode_peak_mb": mb(decode_peak), "cache_bytes_per_seq": per_seq}
+
+
+def analytic_cache_bytes(cfg, n_attn: int, n_gdn: int, ctx: int, kv_bytes: int) -> int:
+    """Per sequence: K and V (Hkv x D per token) of every attention layer, an fp32 H x D x D state per GDN layer
+    (no short conv by default: no conv state)."""
+    D = cfg.head_dim
+    return n_attn * 2 * cfg.num_key_value_heads * D * ctx * kv_bytes + n_gdn * cfg.num_attention_heads * D * D * 4
+
+
+def part_inference(a, device, dtype, res, save):
+    teacher = build_teacher("1p5b", a.tiny, device, dtype)
+    cfg = teacher.config
+    n = cfg.num_hidden_layers
+    converted = gdn_layers(kept_layers("uniform", n, 4), n)
+    hybrid = convert_teacher(teacher, converted, GDNConfig())
+    gdn_backend = hybrid.set_backend("auto")
+    models = {"teacher": teacher, "hybrid": hybrid}
+    detail = res.setdefault("inference", {})
+    detail.update(shape="qwen2.5-1.5b" + (" (tiny)" if a.tiny else ""), kept_layers=n - len(converted),
+                  gdn_layers=len(converted), gdn_backend=gdn_backend, teacher_attention="sdpa",
+                  decode_steps=a.decode_steps, rows={})
+    kv_bytes = torch.empty((), dtype=dtype).element_size()
+    for B in ints(a.batches):
+        for ctx in ints(a.contexts):
+            rows = {}
+            for name, model in models.items():
+                try:
+                    with counting_gdn_kernels() as counts:
+                        rows[name] = generation_row(model, B, ctx, a.decode_steps, cfg.vocab_size, device)
+                    if name == "hybrid":
+                        rows[name]["gdn_kernel_calls"] = dict(counts)
+                except torch.OutOfMemoryError as e:
+                    rows[name] = {"error": f"OOM: {str(e).splitlines()[0]}"}
+                free(device)
+            rows["teacher_cache_bytes_analytic"] = analytic_cache_bytes(cfg, n, 0, ctx, kv_bytes)
+            rows["hybrid_cache_bytes_analytic"] = analytic_cache_bytes(cfg, n - len(converted), len(converted), ctx,
+                                                                       kv_bytes)
+            t, h = rows["teacher"], rows["hybrid"]
+            rows["prefill_speedup"] = ratio(t.get("prefill_s"), h.get("prefill_s"))
+            rows["decode_speedup"] = ratio(t.get("decode_s"), h.get("decode_s"))
+            rows["cache_bytes_ratio"] = ratio(h.get("cache_bytes_per_seq"), t.get("cache_bytes_per_seq"))
+            detail["rows"][f"{ctx}x{B}"] = rows
+            for key in ("prefill_speedup", "decode_speedup"):
+                res.setdefault(key, {}).setdefault(str(ctx), {})[str(B)] = rows[key]
+            if rows["cache_bytes_ratio"] is not None and (B == 1 or str(ctx) not in res.get("cache_bytes_ratio", {})):
+                res.setdefault("cache_bytes_ratio", {})[str(ctx)] = rows["cache_bytes_ratio"]
+            print(f"[inference] ctx={ctx} batch={B}: " + json.dumps(rows), flush=True)
+            save()
+    del models, teacher, hybrid
+    free(device)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(res: dict) -> str:
+    env = res.get("env", {})
+    lines = [f"# taylor-calibrate performance ({env.get('device', '?')})", "",
+             f"torch {env.get('torch')}, triton {env.get('triton')}, fla {env.get('fla')}, transformers "
+             f"{env.get('transformers')}; random weights.", ""]
+    st = res.get("stats")
+    if st:
+        lines += [f"## Statistics pass ({st['shape']}, batch 1, stats backend `{st['stats_backend']}`, "
+                  f"{st['stored_layers']} layers stored as convert does)", "",
+                  "| T | forward s | stats s | stats / forward | torch-path stats / forward | forward peak MB | "
+                  "stats peak MB | of which stored inputs+outputs MB |", "|---|---|---|---|---|---|---|---|"]
+        for T, r in st["rows"].items():
+            lines.append(f"| {T} | {fmt(r['forward_s'], '.3f')} | {fmt(r['stats_s'], '.3f')} | "
+                         f"{fmt(r['stats_vs_forward'])} | {fmt(r.get('stats_torch_vs_forward'))} | "
+                         f"{fmt(r['forward_peak_mb'], '.0f')} | {fmt(r['stats_peak_mb'], '.0f')} | "
+                         f"{fmt(r['stored_mb'], '.0f')} |")
+        lines += ["", "Peak MB: max_memory_allocated above the weights (both include the full-length logits)."]
+        lines.append("")
+    sc = res.get("scale")
+    if sc:
+        lines += ["## Default conversion (per stage, seconds)", "",
+                  "| shape | total s | load | data | teacher eval | stats | phase 1 | phase 2 | hybrid eval | peak GB |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for shape, r in sc.items():
+            s = r.get("stage_s") or {}
+            cells = [fmt(s.get(k), ".1f") for k in ("load_teacher_s", "data_s", "teacher_eval_s", "stats_s",
+                                                    "phase1_s", "phase2_s", "hybrid_eval_s")]
+            peak = None if r.get("peak_mem_mb") is None else r["peak_mem_mb"] / 1024
+            lines.append(f"| {shape} | {fmt(r.get('wall_s'), '.1f')} | " + " | ".join(cells) + f" | {fmt(peak, '.1f')} |"
+                         + (f" {r['error']}" if r.get("error") else ""))
+        lines.append("")
+    inf = res.get("inference")
+    if inf:
+        lines += [f"## Inference ({inf['shape']}: {inf['kept_layers']} attention + {inf['gdn_layers']} GDN layers, "
+                  f"GDN backend `{inf['gdn_backend']}`, {inf['decode_steps']} decode steps)", "",
+                  "| context x batch | prefill tok/s teacher / hybrid | speedup | decode tok/s teacher / hybrid | speedup "
+                  "| cache MB/seq teacher / hybrid | ratio |", "|---|---|---|---|---|---|---|"]
+        for key, r in inf["rows"].items():
+            t, h = r["teacher"], r["hybrid"]
+            lines.append(
+                f"| {key} | {fmt(t.get('prefill_tok_s'), ',.0f')} / {fmt(h.get('prefill_tok_s'), ',.0f')} | "
+                f"{fmt(r['prefill_speedup'])} | {fmt(t.get('decode_tok_s'), ',.1f')} / {fmt(h.get('decode_tok_s'), ',.1f')}"
+                f" | {fmt(r['decode_speedup'])} | {fmt(mb(t.get('cache_bytes_per_seq')), ',.1f')} / "
+                f"{fmt(mb(h.get('cache_bytes_per_seq')), ',.1f')} | {fmt(r['cache_bytes_ratio'], '.3f')} |"
+                + "".join(f" {n}: {x['error']}" for n, x in (("teacher", t), ("hybrid", h)) if "error" in x))
+        lines.append("")
+    lines += [f"Command: `{res.get('command')}`", ""]
+    return "\n".join(lines)
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    def version(mod):
+        try:
+            return __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            return None
+
+    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "triton": version("triton"), "fla": version("fla"), "transformers": transformers.__version__}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU is fine): checks the script")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=None, help="JSON path (a .md twin is written beside it); merged into if present")
+    ap.add_argument("--tokenizer", default="embedded", choices=("embedded", "bytes"),
+                    help="scale part: the embedded teacher's tokenizer (falls back to bytes if not installed)")
+    ap.add_argument("--repeats", type=int, default=2, help="stats part: best of N timings at the ratio lengths")
+    ap.add_argument("--scale-align-steps", type=int, default=None,
+                    help="scale part: alignment steps per layer (default: the profile's, 300 on a GPU)")
+    for key, (full, _) in DEFAULTS.items():
+        ap.add_argument("--" + key.replace("_", "-"), default=None, type=type(full), help=f"default {full}")
+    a = ap.parse_args(argv)
+    for key, (full, tiny) in DEFAULTS.items():
+        if getattr(a, key) is None:
+            setattr(a, key, tiny if a.tiny else full)
+    parts = [p for p in a.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        ap.error(f"unknown part(s) {unknown}; choose from {PARTS}")
+    device = resolve_device(a.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not a.tiny and device.type != "cuda":
+        print("[perf] warning: full shapes on a CPU will take very long; use --tiny", flush=True)
+
+    res = {}
+    if a.out and Path(a.out).exists():
+        res = json.loads(Path(a.out).read_text())
+    res["command"] = "python benchmarks/perf.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    res["env"] = environment(device)
+    res.setdefault("wall_s", {})
+
+    def save():
+        if not a.out:
+            return
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(res, f, indent=2)
+        os.replace(tmp, a.out)
+        Path(a.out).with_suffix(".md").write_text(markdown(res))
+
+    tokenizer = None
+    for part in parts:
+        t = time.perf_counter()
+        print(f"[perf] part {part} ...", flush=True)
+        try:
+            if part == "stats":
+                part_stats(a, device, dtype, res, save)
+            elif part == "scale":
+                if tokenizer is None:
+                    tokenizer, tokenizer_name = load_tokenizer(a.tokenizer)
+                part_scale(a, device, dtype, res, save, tokenizer, tokenizer_name)
+            else:
+                part_inference(a, device, dtype, res, save)
+        except Exception as e:  # noqa: BLE001  (keep the other parts' results; the error is in the JSON)
+            traceback.print_exc()
+            res.setdefault("errors", {})[part] = f"{type(e).__name__}: {e}"
+        res["wall_s"][part] = time.perf_counter() - t
+        res.setdefault("commands", {})[part] = res["command"]  # parts may come from separate runs into one file
+        save()
+        free(device)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("stats", "scale", "inference")}, indent=2))
+    print("\n" + markdown(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
