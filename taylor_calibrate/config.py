@@ -224,6 +224,11 @@ PROFILES = {
 }
 
 
+def check_profile(profile: str) -> None:
+    if profile not in ("auto", *PROFILES):
+        raise ValueError(f"profile={profile!r} is not one of {('auto', *PROFILES)}")
+
+
 @dataclass
 class PipelineArgs:
     """What every stage that builds hybrids shares: the teacher, the GDN layer, phase 1 and 2, data, hardware."""
@@ -250,8 +255,7 @@ class PipelineArgs:
     """Seed of the random parts of the initialisation."""
 
     def __post_init__(self):
-        if self.profile not in ("auto", *PROFILES):
-            raise ValueError(f"profile={self.profile!r} is not one of {('auto', *PROFILES)}")
+        check_profile(self.profile)
 
 
 @dataclass
@@ -347,8 +351,7 @@ class EvalArgs:
     """Examples per lm-eval task (None: all)."""
 
     def __post_init__(self):
-        if self.profile not in ("auto", *PROFILES):
-            raise ValueError(f"profile={self.profile!r} is not one of {('auto', *PROFILES)}")
+        check_profile(self.profile)
         if self.agreement and not self.teacher:
             raise ValueError("--agreement compares the model with its teacher: pass --teacher too")
         bad = [t for t in self.niah_tasks if t not in NIAH_TASKS]
@@ -460,8 +463,7 @@ class DistillArgs:
     eval_batch_size: int = 4
 
     def __post_init__(self):
-        if self.profile not in ("auto", *PROFILES):
-            raise ValueError(f"profile={self.profile!r} is not one of {('auto', *PROFILES)}")
+        check_profile(self.profile)
 
 
 @dataclass
