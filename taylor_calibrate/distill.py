@@ -19,7 +19,7 @@ import math
 import os
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -257,6 +257,33 @@ class _Schedule:  # what align.lr_factor reads
     schedule: str = "cosine"
 
 
+class _Clock:
+    """Training wall time without a host sync per step: synchronises only when it starts, pauses (evaluation,
+    checkpoints) or is read (log steps)."""
+
+    def __init__(self, device):
+        self.device, self.t0, self.excluded = device, None, 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.t0 = self._now()
+
+    @contextmanager
+    def paused(self):
+        t = self._now()
+        yield
+        self.excluded += self._now() - t
+
+    def rate(self, tokens: int) -> float | None:
+        if self.t0 is None or tokens <= 0:
+            return None
+        return tokens / (self._now() - self.t0 - self.excluded)
+
+
 def flops_per_token(student, teacher, trained: set[str]) -> float:
     """Matmul FLOPs per training token: teacher forward 2N_t, student forward 2N_s, backward through the student's
     activations 2N_s, weight gradients 2N_trained (embedding lookups excluded; attention/recurrence FLOPs ignored)."""
@@ -336,9 +363,9 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
         evaluate(0)
     model.train()
     bar = tqdm(range(start + 1, steps + 1), desc=desc, disable=not ctx.main, unit="step", leave=False)
-    train_time, timed_tokens, last = 0.0, 0, {}
+    clock = _Clock(device)
+    last = {}
     for step in bar:
-        t0 = time.perf_counter()
         factor = lr_factor(step, sched)
         for g in opt.param_groups:
             g["lr"] = args.lr * factor
@@ -360,31 +387,31 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if step == start + 1:  # the first step after a (re)start pays compilation and warm-up: not timed
+            clock.start()
         if step % args.log_every == 0 or step == steps:
             keys = sorted(sums)
             vals = _all_sum([float(sums[k]) for k in keys], ctx, device)
             last = {k: v / ctx.world for k, v in zip(keys, vals)}
             rec = {"step": step, "tokens": step * tokens_per_step, "lr": args.lr * factor,
                    "grad_norm": float(grad_norm), **last}
-            if train_time > 0:
-                rec["tokens_per_s"] = timed_tokens / train_time
+            tps = clock.rate((step - start - 1) * tokens_per_step)
+            if tps:
+                rec["tokens_per_s"] = tps
             metrics.write(rec)
-            bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{rec.get('tokens_per_s', 0):,.0f}")
-        if not math.isfinite(last.get("loss", 0.0)):
-            raise RuntimeError(f"{desc}: the loss is {last['loss']} at step {step}; lower --train.lr")
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if step > start + 1:  # the first step after (re)start pays compilation and allocator warm-up
-            train_time += time.perf_counter() - t0
-            timed_tokens += tokens_per_step
+            bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{tps or 0:,.0f}")
+            if not math.isfinite(last["loss"]):
+                raise RuntimeError(f"{desc}: the loss is {last['loss']} at step {step}; lower --train.lr")
         if step % eval_every == 0 or step == steps:
-            evaluate(step)
+            with clock.paused():
+                evaluate(step)
         if step % args.save_every == 0 or step == steps:
-            save_checkpoint(out, step, model, opt, ctx, extra)
+            with clock.paused():
+                save_checkpoint(out, step, model, opt, ctx, extra)
 
     records = metrics.read() if ctx.main else []
     evals = [r for r in records if "heldout_loss" in r]
-    tps = timed_tokens / train_time if train_time > 0 else None
+    tps = clock.rate((steps - start - 1) * tokens_per_step)
     report = {
         "steps": steps, "tokens": steps * tokens_per_step, "tokens_per_step": tokens_per_step, "seq_len": seq,
         "processes": ctx.world, "parallel": args.parallel if ctx.world > 1 else None, "trained": args.train,

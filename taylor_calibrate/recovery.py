@@ -25,7 +25,8 @@ from taylor_calibrate.align import autocast
 from taylor_calibrate.config import RecoveryArgs, apply_profile, apply_train_profile
 from taylor_calibrate.convert import attention_targets, training_backend
 from taylor_calibrate.data import load_splits
-from taylor_calibrate.distill import Dist, distill, heldout_eval
+from taylor_calibrate.distill import distill
+from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
 from taylor_calibrate.ops import resolve_backend
@@ -194,7 +195,7 @@ def run_recovery(args: RecoveryArgs) -> dict:
     built, align_reports, kept, scores = build_or_load(model, splits, specs, policies, args, backend, device,
                                                        out / "mixers")
 
-    teacher_loss = heldout_eval(model, model, splits.heldout, args.eval_batch_size, Dist(), device)["heldout_loss"]
+    teacher_loss = perplexity(model, splits.heldout, args.eval_batch_size, "teacher loss")["nll"]
     teacher_niah_file = out / "teacher_niah.json"
     if args.niah and not teacher_niah_file.exists():
         write_json(teacher_niah_file, _niah(model, tokenizer, args, device, "teacher niah"))
