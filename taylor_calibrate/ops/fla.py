@@ -126,8 +126,9 @@ def recurrent_gated_delta_rule(
 
 
 @functools.cache
+@functools.cache
 def check_fla_backward() -> str | None:
-    """Run a tiny forward + backward through fla's chunk kernel once; None if it works, else why not.
+    """Run a tiny forward + backward through fla's chunk kernel once per process; None if it works, else why not.
 
     fla refuses the chunked backward on some GPU / Triton combinations (Hopper with
     3.4 <= Triton < 3.7.1); finding that out before a training run starts beats a crash at step 1.
