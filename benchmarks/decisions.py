@@ -19,6 +19,7 @@ from taylor_calibrate.config import AlignArgs, CalibArgs, GDNConfig, PROFILES
 from taylor_calibrate.convert import attention_targets, calibrated_mixers
 from taylor_calibrate.data import CorpusSpec, load_splits
 from taylor_calibrate.evaluate import perplexity
+from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.policy import gdn_layers, kept_layers
@@ -98,8 +99,7 @@ def main():
     lines += ["", f"Command: `{result['command']}`"]
     print("\n" + "\n".join(lines))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(a.out, result)
         with open(a.out.rsplit(".", 1)[0] + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")
 

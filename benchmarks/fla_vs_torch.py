@@ -15,6 +15,7 @@ import torch
 
 from taylor_calibrate import GDNConfig, convert_teacher
 from taylor_calibrate.data import CorpusSpec, load_splits
+from taylor_calibrate.export import write_json
 from taylor_calibrate.policy import gdn_layers, kept_layers
 from taylor_calibrate.teacher import load_teacher
 
@@ -65,8 +66,7 @@ def main():
     print(f"| run | rel. RMS error vs fp32 torch | forward s |\n|---|---|---|\n"
           f"| torch reference, bf16 | {err_torch:.2e} | {t_torch:.3f} |\n| fla kernels, bf16 | {err_fla:.2e} | {t_fla:.3f} |")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(a.out, result)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import collections
 import contextlib
 import gc
 import json
-import os
 import sys
 import time
 import traceback
@@ -38,6 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from taylor_calibrate import ops
 from taylor_calibrate.config import AlignArgs, ConvertArgs, DataArgs, GDNConfig
 from taylor_calibrate.convert import convert_loaded
+from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.policy import gdn_layers, kept_layers
 from taylor_calibrate.stats import collect_stats
@@ -478,10 +478,7 @@ def main(argv=None):
     def save():
         if not a.out:
             return
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(res, f, indent=2)
-        os.replace(tmp, a.out)
+        write_json(a.out, res)
         Path(a.out).with_suffix(".md").write_text(markdown(res))
 
     tokenizer = None

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from taylor_calibrate.export import write_json
 from taylor_calibrate.stats import collect_stats
 from taylor_calibrate.teacher import load_teacher
 
@@ -54,8 +55,7 @@ def main():
         print(f"| {T} | {r['forward_peak_mb']:.0f} | {r['stats_peak_mb']:.0f} | {r['extra_mb']:.0f} | "
               f"{r['naive_attention_matrix_mb']:.0f} | {r['stats_s'] / r['forward_s']:.1f} |")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(a.out, result)
 
 
 if __name__ == "__main__":

@@ -460,7 +460,8 @@ class DistillArgs:
     backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
-    """Compute dtype: "auto" (bf16 autocast over fp32 weights on cuda, fp32 on cpu), "float32", "bfloat16"."""
+    """The teacher's weights: "auto" (bf16 on cuda, fp32 on cpu), "float32", "bfloat16". The student always keeps
+    fp32 master weights; on cuda its forward runs under bf16 autocast."""
     eval_batch_size: int = 4
 
     def __post_init__(self):
