@@ -4,7 +4,6 @@ import json
 import math
 
 import pytest
-import torch
 from conftest import one_thread, tiny_local_teacher
 
 from taylor_calibrate.ablate import markdown_table, parse_init, run_ablate
