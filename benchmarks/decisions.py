@@ -12,7 +12,6 @@ import json
 import shlex
 import time
 
-
 from taylor_calibrate.align import align_layers
 from taylor_calibrate.config import AlignArgs, CalibArgs, GDNConfig, PROFILES
 from taylor_calibrate.convert import attention_targets, calibrated_mixers
