@@ -8,6 +8,12 @@ measured row, so a killed run keeps what it measured; a markdown twin is written
              statistics path beside the default one; peak GPU memory of the pass above the weights at T = 1K..32K.
   scale      the default conversion (statistics, phase 1, phase 2, held-out evaluation; full profile) per stage, with
              peak memory, for the 1.5B shape and a Qwen3-8B shape, teachers built in memory (convert.convert_loaded).
+  convert    the default conversion of a real teacher (--teacher, default the embedded SmolLM2-135M) as
+             `taylor-calibrate convert` runs it: wall time per stage (`align_smollm2_s` = phase 2) and held-out
+             perplexity of teacher and hybrid.
+  distill    recovery distillation of a 1.5B-shape hybrid (uniform, copy-only mixers) toward its teacher, as `distill`
+             runs it (fp32 master weights, bf16 autocast, forward KL over the 152K vocabulary): tokens/s after the
+             first (untimed) step and MFU (`distill.flops_per_token`, H200 bf16 peak 989 TFLOP/s).
   inference  1.5B-shape hybrid (uniform, keep_every 4: 7 attention + 21 GDN layers, copy-only mixers: speed does not
              depend on the init) against its teacher (SDPA): prefill and decode throughput at 4K..64K, batch 1 and 8,
              and cache bytes per sequence (KV of attention layers + GDN recurrent / conv state).
@@ -17,7 +23,8 @@ teacher bytes; stats_vs_forward = statistics-pass seconds / forward seconds. `--
 (CPU is fine) to check the script end to end.
 
     python benchmarks/perf.py --parts stats --out benchmarks/results/perf_h200.json
-    python benchmarks/perf.py --parts stats,scale,inference --tiny --out /tmp/perf_tiny.json
+    python benchmarks/perf.py --parts convert,distill --teacher <gguf> --out benchmarks/results/perf_h200.json
+    python benchmarks/perf.py --tiny --out /tmp/perf_tiny.json
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import contextlib
 import gc
 import json
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -35,13 +43,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from taylor_calibrate import ops
-from taylor_calibrate.config import AlignArgs, ConvertArgs, DataArgs, GDNConfig
+from taylor_calibrate.config import AlignArgs, ConvertArgs, DataArgs, GDNConfig, TrainArgs
 from taylor_calibrate.convert import convert_loaded
+from taylor_calibrate.distill import distill
 from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.policy import gdn_layers, kept_layers
 from taylor_calibrate.stats import collect_stats
-from taylor_calibrate.teacher import Teacher, embedded_teacher_path, resolve_device
+from taylor_calibrate.teacher import DEFAULT_TEACHER, Teacher, embedded_teacher_path, load_teacher, resolve_device
 
 # Teacher shapes (config fields of the public checkpoints; random weights)
 SHAPES = {
@@ -68,8 +77,12 @@ DEFAULTS = {
     "contexts": ("4096,16384,32768,65536", "32,64"),
     "batches": ("1,8", "1,2"),
     "decode_steps": (32, 3),
+    "distill_batch": (16, 2),
+    "distill_micro": (4, 1),
+    "distill_seq": (2048, 32),
+    "distill_steps": (8, 3),
 }
-PARTS = ("stats", "scale", "inference")
+PARTS = ("convert", "stats", "scale", "distill", "inference")
 MB = 2 ** 20
 
 
@@ -288,6 +301,65 @@ def part_scale(a, device, dtype, res, save, tokenizer, tokenizer_name):
         free(device)
 
 
+# ----------------------------------------------------------------------------- part: a real teacher's conversion
+
+
+def part_convert(a, device, dtype, res, save):
+    """`taylor-calibrate convert --teacher <spec>` in this process (the CLI's defaults: full profile on a GPU)."""
+    t0 = time.perf_counter()
+    teacher = load_teacher(a.teacher, device, dtype)
+    args = ConvertArgs(teacher=a.teacher, device=device.type, dtype=str(dtype).replace("torch.", ""))
+    if a.tiny:
+        args.data = DataArgs(seq_len=64, calib_seqs=4, eval_seqs=4)
+        args.phase2 = AlignArgs(steps=4, batch_size=2, log_every=2)
+    report = convert_loaded(args, teacher, t0, save=False)
+    row = {k: report[k] for k in ("wall_s", "stage_s", "profile", "backend", "dtype", "calib_tokens", "eval_tokens",
+                                  "teacher_ppl", "hybrid_ppl")}
+    row.update(teacher=a.teacher, ppl_ratio=ratio(report["hybrid_ppl"], report["teacher_ppl"]),
+               align_steps=args.phase2.steps, gdn_layers=len(report["gdn_layers"]))
+    res["convert"] = row
+    res["align_smollm2_s"] = report["stage_s"]["phase2_s"]
+    print("[convert] " + json.dumps(row), flush=True)
+    save()
+    del teacher
+    free(device)
+
+
+# ----------------------------------------------------------------------------- part: distillation throughput
+
+
+def part_distill(a, device, dtype, res, save):
+    """`distill.distill` on random tokens: throughput does not depend on the text or the init."""
+    teacher = build_teacher("1p5b", a.tiny, device, dtype)
+    cfg = teacher.config
+    n = cfg.num_hidden_layers
+    converted = gdn_layers(kept_layers("uniform", n, 4), n)
+    student = convert_teacher(teacher, converted, GDNConfig()).float()  # fp32 masters, as run_distill loads them
+    gdn_backend = student.set_backend("auto")
+    B, T, steps = a.distill_batch, a.distill_seq, a.distill_steps
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, cfg.vocab_size, (B * steps, T), generator=gen)
+    args = TrainArgs(tokens=B * T * steps, batch_size=B, micro_batch_size=a.distill_micro, train="mixers",
+                     eval_every=10 ** 9, save_every=10 ** 9, log_every=1)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = distill(student, teacher, rows, rows[:1], args, tmp, resume=False, eval_batch_size=1,
+                         desc="distill 1.5b")
+    row = {k: report[k] for k in ("steps", "tokens_per_step", "seq_len", "trained", "trained_params", "tokens_per_s",
+                                  "flops_per_token", "mfu")}
+    row.update(shape="qwen2.5-1.5b" + (" (tiny)" if a.tiny else ""), micro_batch=a.distill_micro,
+               gdn_backend=gdn_backend, gdn_layers=len(converted), timed_steps=steps - 1,
+               peak_mem_mb=mb(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None)
+    res["distill"] = row
+    res["distill_mfu_1p5b"] = report["mfu"]
+    res["distill_tokens_per_s_1p5b"] = report["tokens_per_s"]
+    print("[distill] " + json.dumps(row), flush=True)
+    save()
+    del student, teacher
+    free(device)
+
+
 # ----------------------------------------------------------------------------- part c: inference
 
 
@@ -384,6 +456,16 @@ def markdown(res: dict) -> str:
     lines = [f"# taylor-calibrate performance ({env.get('device', '?')})", "",
              f"torch {env.get('torch')}, triton {env.get('triton')}, fla {env.get('fla')}, transformers "
              f"{env.get('transformers')}; random weights.", ""]
+    cv = res.get("convert")
+    if cv:
+        s = cv["stage_s"]
+        lines += [f"## Default conversion of {cv['teacher']} ({cv['profile']} profile, {cv['gdn_layers']} GDN layers, "
+                  f"{cv['align_steps']} alignment steps)", "",
+                  "| total s | load (incl. imports, compiles) | stats | phase 1 | phase 2 | teacher PPL | hybrid PPL | "
+                  "ratio |", "|---|---|---|---|---|---|---|---|",
+                  f"| {fmt(cv['wall_s'], '.1f')} | {fmt(s.get('load_teacher_s'), '.1f')} | {fmt(s.get('stats_s'), '.1f')} | "
+                  f"{fmt(s.get('phase1_s'), '.1f')} | {fmt(s.get('phase2_s'), '.1f')} | {fmt(cv['teacher_ppl'], '.3f')} | "
+                  f"{fmt(cv['hybrid_ppl'], '.3f')} | {fmt(cv['ppl_ratio'])} |", ""]
     st = res.get("stats")
     if st:
         lines += [f"## Statistics pass ({st['shape']}, batch 1, stats backend `{st['stats_backend']}`, "
@@ -410,6 +492,14 @@ def markdown(res: dict) -> str:
             lines.append(f"| {shape} | {fmt(r.get('wall_s'), '.1f')} | " + " | ".join(cells) + f" | {fmt(peak, '.1f')} |"
                          + (f" {r['error']}" if r.get("error") else ""))
         lines.append("")
+    di = res.get("distill")
+    if di:
+        lines += [f"## Distillation ({di['shape']}, {di['gdn_layers']} GDN layers, trains {di['trained']}, "
+                  f"{di['tokens_per_step']:,} tokens per step in micro-batches of {di['micro_batch']} x {di['seq_len']})",
+                  "", "| tokens/s | FLOP/token | MFU | peak GB |", "|---|---|---|---|",
+                  f"| {fmt(di['tokens_per_s'], ',.0f')} | {fmt(di['flops_per_token'], '.3g')} | "
+                  f"{'-' if di['mfu'] is None else format(di['mfu'], '.1%')} | "
+                  f"{fmt(None if di['peak_mem_mb'] is None else di['peak_mem_mb'] / 1024, '.1f')} |", ""]
     inf = res.get("inference")
     if inf:
         lines += [f"## Inference ({inf['shape']}: {inf['kept_layers']} attention + {inf['gdn_layers']} GDN layers, "
@@ -450,6 +540,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON path (a .md twin is written beside it); merged into if present")
     ap.add_argument("--tokenizer", default="embedded", choices=("embedded", "bytes"),
                     help="scale part: the embedded teacher's tokenizer (falls back to bytes if not installed)")
+    ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="convert part: the teacher (as `convert --teacher`)")
     ap.add_argument("--repeats", type=int, default=2, help="stats part: best of N timings at the ratio lengths")
     ap.add_argument("--scale-align-steps", type=int, default=None,
                     help="scale part: alignment steps per layer (default: the profile's, 300 on a GPU)")
@@ -486,7 +577,11 @@ def main(argv=None):
         t = time.perf_counter()
         print(f"[perf] part {part} ...", flush=True)
         try:
-            if part == "stats":
+            if part == "convert":
+                part_convert(a, device, dtype, res, save)
+            elif part == "distill":
+                part_distill(a, device, dtype, res, save)
+            elif part == "stats":
                 part_stats(a, device, dtype, res, save)
             elif part == "scale":
                 if tokenizer is None:
@@ -501,7 +596,8 @@ def main(argv=None):
         res.setdefault("commands", {})[part] = res["command"]  # parts may come from separate runs into one file
         save()
         free(device)
-    print(json.dumps({k: v for k, v in res.items() if k not in ("stats", "scale", "inference")}, indent=2))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("stats", "scale", "inference", "convert", "distill")},
+                     indent=2))
     print("\n" + markdown(res))
     return res
 

@@ -234,9 +234,10 @@ class _LayerState:
         self.params = [p for _, p in self.named]
         self.num_trained = sum(p.numel() for p in self.params)
         self.base_lrs = [lrs[g] for g in groups]
-        self.opt = torch.optim.AdamW([{"params": [p for _, p in groups[g]], "lr": lrs[g]} for g in groups],
-                                     weight_decay=args.weight_decay)
         self.device = self.params[0].device if self.params else next(mixer.parameters()).device
+        # fused: one kernel per step instead of a few per parameter (small layers are launch-bound on a GPU)
+        self.opt = torch.optim.AdamW([{"params": [p for _, p in groups[g]], "lr": lrs[g]} for g in groups],
+                                     weight_decay=args.weight_decay, fused=self.device.type == "cuda" or None)
         self.max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
         self.best_train = torch.full((), float("inf"), device=self.device)
         self.best_train_step = torch.zeros((), dtype=torch.long, device=self.device)

@@ -330,7 +330,8 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
     decay = {id(p) for p in params if p.ndim >= 2}
     opt = torch.optim.AdamW([{"params": [p for p in params if id(p) in decay], "weight_decay": args.weight_decay},
                              {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=(device.type == "cuda" and ctx.world == 1) or None)  # one kernel per step
     sched = _Schedule(steps, math.ceil(args.warmup * steps))
 
     start = 0

@@ -36,7 +36,8 @@ def test_tiny_run_writes_complete_finite_json(tmp_path):
     res = json.loads(out.read_text())
     assert "errors" not in res, res.get("errors")
     for key in ("stats_vs_forward", "stats_peak_mem_mb", "convert_1p5b_s", "convert_8b_s", "decode_speedup",
-                "prefill_speedup", "cache_bytes_ratio", "command", "env", "stats", "scale", "inference"):
+                "prefill_speedup", "cache_bytes_ratio", "command", "env", "stats", "scale", "inference",
+                "align_smollm2_s", "convert", "distill", "distill_mfu_1p5b", "distill_tokens_per_s_1p5b"):
         assert key in res, key
     assert set(res["stats_vs_forward"]) == {"64"} and set(res["stats_peak_mem_mb"]) == {"32", "64"}
     assert set(res["decode_speedup"]) == set(res["prefill_speedup"]) == set(res["cache_bytes_ratio"]) == {"32", "64"}
@@ -44,6 +45,11 @@ def test_tiny_run_writes_complete_finite_json(tmp_path):
     for path, v in _numbers({k: v for k, v in res.items() if k != "env"}):
         assert math.isfinite(v), path
     assert res["convert_1p5b_s"] > 0 and res["convert_8b_s"] > 0
+    # the embedded teacher's conversion: phase 2 timed, both perplexities measured, the hybrid's above the teacher's
+    assert 0 < res["align_smollm2_s"] < res["convert"]["wall_s"]
+    assert 1 < res["convert"]["teacher_ppl"] < res["convert"]["hybrid_ppl"]
+    assert res["distill"]["tokens_per_s"] > 0 and res["distill"]["flops_per_token"] > 0
+    assert res["distill_mfu_1p5b"] is None  # no known peak FLOP/s for a CPU
     # on a CPU there is no peak-memory counter: those (and only those) are null
     assert all(v is None for v in res["stats_peak_mem_mb"].values())
     for row in res["inference"]["rows"].values():
@@ -53,4 +59,5 @@ def test_tiny_run_writes_complete_finite_json(tmp_path):
         assert set(row["hybrid"]["gdn_kernel_calls"]) == {"torch/chunk", "torch/recurrent"}  # decode: recurrent form
     stages = res["scale"]["8b"]["stage_s"]
     assert {"stats_s", "phase1_s", "phase2_s", "hybrid_eval_s"} <= set(stages)
-    assert "## Inference" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "## Inference" in md and "## Distillation" in md and "## Default conversion of smollm2-135m" in md
