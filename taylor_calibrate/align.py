@@ -34,14 +34,13 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from taylor_calibrate.config import SCHEDULES, AlignArgs
+from taylor_calibrate.config import AlignArgs
 from taylor_calibrate.model.gdn import GatedDeltaNet
 
 log = logging.getLogger("taylor_calibrate")
