@@ -368,6 +368,7 @@ def step(model, tok, cache):
     return out.logits[:, -1:].argmax(-1)
 
 
+@torch.inference_mode()  # as `generate` runs: no autograd graph (the hybrid's parameters require grad)
 def generation_row(model, B, ctx, steps, vocab, device):
     """Prefill B x ctx tokens (logits of the last token only, as generate does), then `steps` greedy 1-token steps
     through the model's own cache (transformers' DynamicCache from the config's layer_types). Each is timed after an

@@ -162,7 +162,8 @@ def collect_stats(model, tokens: torch.Tensor, *, store_layers=(), batch_size: i
     device = next(model.parameters()).device
     with _collecting(model, collector):
         for i in tqdm(range(0, tokens.shape[0], batch_size), desc=desc, leave=False):
-            model(input_ids=tokens[i:i + batch_size].to(device), use_cache=False)
+            # logits of the last position only: the pass needs the layers, not a (T x vocab) logits tensor
+            model(input_ids=tokens[i:i + batch_size].to(device), use_cache=False, logits_to_keep=1)
     return TeacherStats(
         layers=collector.finish(),
         inputs={i: torch.cat(v) for i, v in collector.inputs.items()},

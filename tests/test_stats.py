@@ -230,14 +230,23 @@ def test_gemma3_softcap_attribute_is_not_applied_twice():
     with torch.no_grad():
         out = model(input_ids=ids, output_attentions=True, use_cache=False)
     model.set_attn_implementation("sdpa")
+    stats, during = _final_hidden(model, lambda: collect_stats(model, ids, block=16))
+    torch.testing.assert_close(stats.layers[0].distance, _truth(out.attentions[0])["distance"], rtol=1e-4, atol=1e-5)
+    _, plain = _final_hidden(model, lambda: model(input_ids=ids, use_cache=False))
+    torch.testing.assert_close(during, plain, rtol=1e-4, atol=1e-5)
+
+
+def _final_hidden(model, fn):
+    """(fn(), the final norm's output during fn): the pass keeps only the last position's logits, so compare the
+    hidden states every position goes through."""
     during = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, o: during.append(o.detach()))
+    hook = model.model.norm.register_forward_hook(lambda mod, args, o: during.append(o.detach()))
     try:
-        stats = collect_stats(model, ids, block=16)
+        with torch.no_grad():
+            result = fn()
     finally:
         hook.remove()
-    torch.testing.assert_close(stats.layers[0].distance, _truth(out.attentions[0])["distance"], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(torch.cat(during), out.logits, rtol=1e-4, atol=1e-5)
+    return result, torch.cat(during)
 
 
 def test_stored_inputs_and_head_outputs(observed):
@@ -281,13 +290,9 @@ def test_teacher_is_unchanged(impl):
     ids = _ids(model)
     with torch.no_grad():
         before = model(input_ids=ids, use_cache=False).logits
-    during = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, out: during.append(out.detach()))
-    try:
-        collect_stats(model, ids, store_layers=[0, 2], batch_size=2)
-    finally:
-        hook.remove()
-    torch.testing.assert_close(torch.cat(during), before, rtol=1e-4, atol=1e-5)
+    _, plain = _final_hidden(model, lambda: model(input_ids=ids, use_cache=False))
+    _, during = _final_hidden(model, lambda: collect_stats(model, ids, store_layers=[0, 2], batch_size=2))
+    torch.testing.assert_close(during, plain, rtol=1e-4, atol=1e-5)
     assert model.config._attn_implementation == impl
     assert all(not layer.self_attn._forward_pre_hooks for layer in model.model.layers)
     with torch.no_grad():
