@@ -478,7 +478,9 @@ def markdown(res: dict) -> str:
                          f"{fmt(r['stats_vs_forward'])} | {fmt(r.get('stats_torch_vs_forward'))} | "
                          f"{fmt(r['forward_peak_mb'], '.0f')} | {fmt(r['stats_peak_mb'], '.0f')} | "
                          f"{fmt(r['stored_mb'], '.0f')} |")
-        lines += ["", "Peak MB: max_memory_allocated above the weights (both include the full-length logits)."]
+        lines += ["", "Peak MB: max_memory_allocated above the weights. The forward computes full-length logits (T x vocab);"
+                  " the statistics pass only the last position's, and holds the stored inputs and head outputs that "
+                  "phase 2 trains on (linear in T by design)."]
         lines.append("")
     sc = res.get("scale")
     if sc:
@@ -516,7 +518,11 @@ def markdown(res: dict) -> str:
                 f"{fmt(mb(h.get('cache_bytes_per_seq')), ',.1f')} | {fmt(r['cache_bytes_ratio'], '.3f')} |"
                 + "".join(f" {n}: {x['error']}" for n, x in (("teacher", t), ("hybrid", h)) if "error" in x))
         lines.append("")
-    lines += [f"Command: `{res.get('command')}`", ""]
+    commands = res.get("commands") or {}
+    if len(set(commands.values())) > 1:  # parts merged from separate runs
+        lines += ["Commands:", ""] + [f"- {part}: `{cmd}`" for part, cmd in commands.items()] + [""]
+    else:
+        lines += [f"Command: `{res.get('command')}`", ""]
     return "\n".join(lines)
 
 

@@ -164,9 +164,16 @@ def collect_stats(model, tokens: torch.Tensor, *, store_layers=(), batch_size: i
         for i in tqdm(range(0, tokens.shape[0], batch_size), desc=desc, leave=False):
             # logits of the last position only: the pass needs the layers, not a (T x vocab) logits tensor
             model(input_ids=tokens[i:i + batch_size].to(device), use_cache=False, logits_to_keep=1)
-    return TeacherStats(
-        layers=collector.finish(),
-        inputs={i: torch.cat(v) for i, v in collector.inputs.items()},
-        head_outputs={i: torch.cat(v) for i, v in collector.head_outputs.items()},
-        tokens=tokens.numel(),
-    )
+    return TeacherStats(layers=collector.finish(), inputs=_joined(collector.inputs),
+                        head_outputs=_joined(collector.head_outputs), tokens=tokens.numel())
+
+
+def _joined(chunks: dict[int, list]) -> dict[int, torch.Tensor]:
+    """Per layer, its batches as one (N, T, ...) tensor. A layer's chunks are freed as soon as they are joined, and a
+    single chunk is kept as is, so the stored data is never held twice (it is most of the pass's memory on a GPU)."""
+    out = {}
+    for i in list(chunks):
+        parts = chunks.pop(i)
+        out[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        del parts
+    return out
