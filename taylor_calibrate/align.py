@@ -8,9 +8,13 @@ input to that layer:
     loss_l = MSE(mixer_l(inputs[l]), targets[l])          rel-MSE_l = MSE_l / Var(targets[l])
 
 Teacher forcing makes the layers independent, so all of them train in one loop over the same stored rows, with no
-teacher forward: for every step, for every layer, forward -> loss -> backward -> clip -> AdamW step. Each layer has
-its own optimizer, its own gradient clipping and its own divergence guard; the only thing layers share is which
-rows a step uses.
+teacher forward. A step trains every layer at once: each layer computes its own recurrence inputs, one
+`gated_delta_rule` call runs the recurrences of all layers stacked along the batch (sequences never interact in it,
+so this is exactly L separate calls, in one kernel launch sequence instead of L), each layer applies its own gate
+and o_proj, and one backward of the summed per-layer losses gives every layer the gradient of its own loss. Then
+per-layer gradient clipping and one AdamW step over all layers' parameters (AdamW is elementwise: the same update as
+one optimizer per layer). Each layer keeps its own clipping norm, best state and divergence guard; the only thing
+layers share is which rows a step uses. `layer_group` bounds how many layers share a forward (activation memory).
 
 Choices (the reference's are in METHOD.md section 3a):
 - Parameter groups: new recurrent parameters (a_proj, b_proj, g_proj, A_log, dt_bias, short convs) at `lr`, the copied
@@ -23,6 +27,8 @@ Choices (the reference's are in METHOD.md section 3a):
   than a better layer. The evaluation rows are part of the training rows (they are not held out).
 - Divergence: a non-finite loss or gradient norm is recorded on the device without a host sync; at the next
   evaluation point the layer is restored to its best state and stops training (`diverged_at` in its report).
+- Speed: on a GPU a small layer's step is bound by kernel launches and Python, not FLOPs, so stacking the layers'
+  recurrences (and one fused AdamW step) is what makes phase 2 fast.
 - Precision: parameters train in fp32 (a bf16/fp16 mixer is upcast for the run and cast back at the end); on CUDA
   the forward runs under bf16 autocast, the loss in fp32. `rel_mse_after` is measured after the cast back.
 - Steps are counted from 1: `best_step` k is the state after k optimizer steps (0 = the state alignment started
@@ -42,6 +48,7 @@ from tqdm.auto import tqdm
 
 from taylor_calibrate.config import AlignArgs
 from taylor_calibrate.model.gdn import GatedDeltaNet
+from taylor_calibrate.ops import gated_delta_rule
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -170,18 +177,15 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
     saved_dtype = {l: [(p, p.dtype) for p in mixers[l].parameters()] for l in layers}
     try:
         st = {l: _LayerState(l, mixers[l], inputs[l], targets[l], n_eval, batch, args) for l in layers}
+        train = _Training(list(st.values()), args)
         before = {l: st[l].evaluate(0) for l in layers}
         bar = tqdm(range(1, args.steps + 1), desc="align", leave=False, disable=args.steps == 0)
         for step in bar:
-            rows = idx[step - 1]
-            factor = lr_factor(step, args)
-            for l in layers:
-                if st[l].active:
-                    st[l].train_step(step, rows, crop, factor)
+            train.step(step, idx[step - 1], crop, lr_factor(step, args))
             if step % args.log_every == 0 or step == args.steps:
                 for l in layers:
                     if st[l].active:
-                        st[l].check(step)
+                        st[l].check(step, train.first_bad(st[l]))
                 bar.set_postfix(rel_mse=f"{sum(s.current for s in st.values()) / len(layers):.4f}")
         bar.close()
         report_layers = {}
@@ -193,7 +197,7 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
             after = rel_mse(mixers[l], inputs[l][:n_eval], targets[l][:n_eval], batch)
             report_layers[l] = dict(rel_mse_before=before[l], rel_mse_after=after, best_step=s.best_step,
                                     diverged_at=s.diverged_at, best_eval_rel_mse=s.best_eval,
-                                    trained_params=s.num_trained, **s.train_summary())
+                                    trained_params=s.num_trained, **train.summary(s))
     finally:
         for l in layers:
             _restore_dtypes(saved_dtype[l])
@@ -206,7 +210,9 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
         "mean_rel_mse_before": sum(r["rel_mse_before"] for r in report_layers.values()) / len(layers),
         "mean_rel_mse_after": sum(r["rel_mse_after"] for r in report_layers.values()) / len(layers),
         "wall_s": time.perf_counter() - t_start,
+        "train_s": train.timing.total(),
         "steps": args.steps,
+        "layer_group": train.group,
         "tokens_per_step": batch * seq,
         "eval_rows": n_eval,
     }
@@ -215,7 +221,7 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
 
 
 class _LayerState:
-    """One layer's optimizer, best state and divergence record. Device-side scalars avoid per-step host syncs."""
+    """One layer's trained parameters, evaluation rows, best state and divergence record."""
 
     def __init__(self, layer: int, mixer: GatedDeltaNet, x: Tensor, y: Tensor, n_eval: int, batch: int,
                  args: AlignArgs):
@@ -225,46 +231,19 @@ class _LayerState:
             p.requires_grad_(False)
             if p.is_floating_point() and p.dtype != torch.float32:
                 p.data = p.data.float()  # fp32 master weights for AdamW; cast back at the end
-        groups = trained_parameters(mixer, args)
-        lrs = {"new": args.lr, "qkv": args.lr_qkv, "o_proj": args.lr_o, "o_norm": args.lr}
-        self.named = [(n, p) for g in groups.values() for n, p in g]
-        for _, p in self.named:
+        self.groups = trained_parameters(mixer, args)
+        self.params = [p for g in self.groups.values() for _, p in g]
+        for p in self.params:
             p.requires_grad_(True)
-        self.params = [p for _, p in self.named]
         self.num_trained = sum(p.numel() for p in self.params)
-        self.base_lrs = [lrs[g] for g in groups]
         self.device = self.params[0].device if self.params else next(mixer.parameters()).device
-        # fused: one kernel per step instead of a few per parameter (small layers are launch-bound on a GPU)
-        self.opt = torch.optim.AdamW([{"params": [p for _, p in groups[g]], "lr": lrs[g]} for g in groups],
-                                     weight_decay=args.weight_decay, fused=self.device.type == "cuda" or None)
-        self.max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
-        self.best_train = torch.full((), float("inf"), device=self.device)
-        self.best_train_step = torch.zeros((), dtype=torch.long, device=self.device)
-        self.first_bad = torch.full((), -1, dtype=torch.long, device=self.device)
         self.active, self.diverged_at = bool(self.params) and args.steps > 0, None
         self.best_eval, self.best_step, self.best_state, self.current = float("inf"), 0, None, float("nan")
-        self.timing = _Timer(self.device)
 
-    def train_step(self, step: int, rows: Tensor, crop: slice, factor: float) -> None:
-        with self.timing:
-            for group, base in zip(self.opt.param_groups, self.base_lrs):
-                group["lr"] = base * factor
-            x = self.x[rows.to(self.x.device), crop].to(self.device, torch.float32, non_blocking=True)
-            y = self.y[rows.to(self.y.device), crop].to(self.device, torch.float32, non_blocking=True)
-            self.mixer.train()
-            with autocast(self.device):
-                out = self.mixer(x)[0]
-            loss = F.mse_loss(out.float(), y)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            loss = loss.detach()
-            ok = torch.isfinite(loss) & torch.isfinite(norm)
-            self.first_bad = torch.where((self.first_bad < 0) & ~ok, step, self.first_bad)
-            better = ok & (loss < self.best_train)
-            self.best_train = torch.where(better, loss, self.best_train)
-            self.best_train_step = torch.where(better, step, self.best_train_step)
+    def batch(self, rows: Tensor, crop: slice) -> tuple[Tensor, Tensor]:
+        x = self.x[rows.to(self.x.device), crop].to(self.device, torch.float32, non_blocking=True)
+        y = self.y[rows.to(self.y.device), crop].to(self.device, torch.float32, non_blocking=True)
+        return x, y
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float:
@@ -281,15 +260,17 @@ class _LayerState:
                     b.copy_(p)
         return r
 
-    def check(self, step: int) -> None:
-        """Evaluation point: stop on divergence (restoring the best state), else evaluate and keep the best."""
-        bad = int(self.first_bad.item())
+    def check(self, step: int, bad: int) -> None:
+        """Evaluation point: stop on divergence (`bad`: the first step with a non-finite loss or gradient norm, -1 if
+        none; the best state is restored), else evaluate and keep the best."""
         if bad < 0:
             r = self.evaluate(step)
             if math.isfinite(r):
                 return
             bad = step  # finite loss and gradients but a non-finite output on the eval rows
-        self.diverged_at, self.active, self.opt = bad, False, None  # its optimizer state is NaN: drop it
+        self.diverged_at, self.active = bad, False  # it leaves the forward; its (NaN) optimizer state is never used
+        for p in self.params:
+            p.grad = None
         self.restore_best()
         self.current = self.best_eval
         log.warning("align: layer %d diverged (non-finite loss or gradient) at step %d; restored its state from "
@@ -302,11 +283,82 @@ class _LayerState:
         for p, b in zip(self.params, self.best_state):
             p.copy_(b)
 
-    def train_summary(self) -> dict:
-        best = float(self.best_train.item())
-        return dict(best_train_loss=best if math.isfinite(best) else None,
-                    best_train_step=int(self.best_train_step.item()) if math.isfinite(best) else None,
-                    wall_s=self.timing.total())
+
+class _Training:
+    """The optimizer of all layers and the batched step. Per-layer records (best training loss and its step, first
+    non-finite step) are device tensors indexed by layer position: no host sync per step."""
+
+    def __init__(self, states: list[_LayerState], args: AlignArgs):
+        self.states, self.args = states, args
+        self.pos = {id(s): i for i, s in enumerate(states)}
+        self.group = len(states) if args.layer_group is None else args.layer_group
+        trained = [s for s in states if s.params]
+        self.device = trained[0].device if trained else states[0].device
+        lrs = {"new": args.lr, "qkv": args.lr_qkv, "o_proj": args.lr_o, "o_norm": args.lr}
+        groups = {g: [p for s in trained for _, p in s.groups.get(g, [])] for g in lrs}
+        groups = {g: ps for g, ps in groups.items() if ps}
+        self.base_lrs = [lrs[g] for g in groups]
+        # fused: one kernel per step instead of a few per parameter (small layers are launch-bound on a GPU)
+        self.opt = torch.optim.AdamW([{"params": ps, "lr": lrs[g]} for g, ps in groups.items()],
+                                     weight_decay=args.weight_decay,
+                                     fused=self.device.type == "cuda" or None) if groups else None
+        self.max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
+        n = len(states)
+        self.best_train = torch.full((n,), float("inf"), device=self.device)
+        self.best_train_step = torch.zeros(n, dtype=torch.long, device=self.device)
+        self.bad = torch.full((n,), -1, dtype=torch.long, device=self.device)
+        self.timing = _Timer(self.device)
+
+    def step(self, step: int, rows: Tensor, crop: slice, factor: float) -> None:
+        active = [s for s in self.states if s.active]
+        if not active:
+            return
+        with self.timing:
+            for g, base in zip(self.opt.param_groups, self.base_lrs):
+                g["lr"] = base * factor
+            for i in range(0, len(active), self.group):
+                self._forward_backward(active[i:i + self.group], step, rows, crop)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    def _forward_backward(self, chunk: list[_LayerState], step: int, rows: Tensor, crop: slice) -> None:
+        """Forward and backward of `chunk`'s layers with one stacked recurrence; clip each layer's gradient."""
+        data = [s.batch(rows, crop) for s in chunk]
+        m0 = chunk[0].mixer
+        if any((s.mixer.num_heads, s.mixer.head_dim, s.mixer.backend) != (m0.num_heads, m0.head_dim, m0.backend)
+               for s in chunk):
+            raise ValueError("align: layers trained together need the same heads, head_dim and backend")
+        for s in chunk:
+            s.mixer.train()
+        with autocast(self.device):
+            feats = [s.mixer.features(x) for s, (x, _) in zip(chunk, data)]
+            stacked = [torch.cat(parts) for parts in zip(*feats)]  # q, k, v, g, beta: layers along the batch
+            o, _ = gated_delta_rule(*stacked, scale=m0.head_dim ** -0.5, backend=m0.backend)
+            outs = [s.mixer.output(x, o_l) for s, (x, _), o_l in zip(chunk, data, o.split(len(rows)))]
+        losses = torch.stack([F.mse_loss(out.float(), y) for out, (_, y) in zip(outs, data)])
+        losses.sum().backward()  # layer l's parameters only see loss l
+        norms = torch.stack([self._clip(s.params) for s in chunk])
+        losses = losses.detach()
+        idx = torch.tensor([self.pos[id(s)] for s in chunk], device=self.device)
+        ok = torch.isfinite(losses) & torch.isfinite(norms)
+        bad = self.bad[idx]
+        self.bad[idx] = torch.where((bad < 0) & ~ok, step, bad)
+        better = ok & (losses < self.best_train[idx])
+        self.best_train[idx] = torch.where(better, losses, self.best_train[idx])
+        self.best_train_step[idx] = torch.where(better, step, self.best_train_step[idx])
+
+    def _clip(self, params: list[torch.nn.Parameter]) -> Tensor:
+        """torch.nn.utils.clip_grad_norm_ for one layer: its total gradient norm, before clipping."""
+        return torch.nn.utils.clip_grad_norm_(params, self.max_norm)
+
+    def first_bad(self, s: _LayerState) -> int:
+        return int(self.bad[self.pos[id(s)]].item())
+
+    def summary(self, s: _LayerState) -> dict:
+        i = self.pos[id(s)]
+        best = float(self.best_train[i].item())
+        ok = math.isfinite(best)
+        return dict(best_train_loss=best if ok else None, best_train_step=int(self.best_train_step[i]) if ok else None)
 
 
 class _Timer:

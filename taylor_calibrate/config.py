@@ -178,6 +178,9 @@ class AlignArgs:
     """Linear learning-rate warmup over this many steps (0 = none, as the reference)."""
     schedule: str = "constant"
     """Learning rate after warmup: "constant" (the reference) or "cosine" (decay to 10% at the last step)."""
+    layer_group: int | None = None
+    """Layers trained together in one stacked forward/backward (None: all; fewer bounds activation memory). The
+    result does not depend on it."""
     seed: int = 0
     """Seed of the row order."""
     log_every: int = 50
@@ -186,7 +189,7 @@ class AlignArgs:
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"align option schedule={self.schedule!r} is not one of {SCHEDULES}")
-        for name in ("batch_size", "log_every"):
+        for name in ("batch_size", "log_every", "layer_group"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"align option {name}={getattr(self, name)} must be >= 1")
         for name in ("steps", "warmup_steps"):

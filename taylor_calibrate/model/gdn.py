@@ -112,15 +112,18 @@ class GatedDeltaNet(nn.Module):
             o = o * _GATE[self.cfg.gate](self.g_proj(x).view(B, T, self.num_heads, self.head_dim)).to(o.dtype)
         return o
 
+    def output(self, x, o):
+        """The layer's output from the recurrence's: gate, then o_proj. (B, T, H, D) -> (B, T, hidden)."""
+        B, T = x.shape[:2]
+        return self.o_proj(self.gate(x, o).reshape(B, T, -1))
+
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, gdn_mask=None, **kwargs):
         """Same call signature as the teacher's attention module (masks and RoPE are ignored: position lives
         in the decay; padding comes in as the 2-D `gdn_mask` the hybrid model passes down)."""
         x = hidden_states
         q, k, v, g, beta = self.features(x, cache, gdn_mask)
-        o = self.gate(x, self.readout(q, k, v, g, beta, cache))
-        B, T = x.shape[:2]
-        return self.o_proj(o.reshape(B, T, -1)), None
+        return self.output(x, self.readout(q, k, v, g, beta, cache)), None
 
 
 # --- weight transfer and the library-default init ("copy", METHOD.md section 2) ------------------------------
