@@ -53,6 +53,7 @@ VARIANTS = [
     # the two best of the above (CPU quick, 100 steps: lr 2e-3 16.21 -> 14.58, lr_qkv 3e-4 -> 15.16), and lr further up
     ("taylor, align lr 2e-3 + lr_qkv 3e-4", "taylor", {}, {}, {"lr": 2e-3, "lr_qkv": 3e-4}),
     ("taylor, align lr 4e-3", "taylor", {}, {}, {"lr": 4e-3}),
+    ("copy, align lr 2e-3 + lr_qkv 3e-4", "copy", {}, {}, {"lr": 2e-3, "lr_qkv": 3e-4}),
 ]
 
 
