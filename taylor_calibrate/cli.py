@@ -6,6 +6,7 @@ Flags and a YAML file (`--config run.yaml`, a dump of the same dataclass) both f
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     name = None
     try:
         name, args = parse(argv)
+        if getattr(args, "command", "") is None:  # results record the command line that made them
+            args.command = "taylor-calibrate " + shlex.join(sys.argv[1:] if argv is None else argv)
         COMMANDS[name][1](args)
     except (ValueError, FileNotFoundError, OSError, RuntimeError, ImportError) as e:
         print(f"taylor-calibrate {name or ''}: error: {e}", file=sys.stderr)

@@ -81,3 +81,14 @@ def test_corrupt_checkpoint_is_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(ValueError, match="corrupt or truncated"):
         load_model(tmp_path)
+
+
+def test_cli_records_the_command_line(monkeypatch):
+    """Stages with a `command` field (ablate, recovery) get the command line that ran them, unless one is given."""
+    from taylor_calibrate import cli
+
+    seen = {}
+    monkeypatch.setitem(cli.COMMANDS, "ablate", (cli.COMMANDS["ablate"][0], lambda args: seen.update(a=args)))
+    assert main(["ablate", "--profile", "quick", "--device", "cpu"]) == 0
+    assert seen["a"].command == "taylor-calibrate ablate --profile quick --device cpu"
+    assert main(["ablate", "--command", "mine"]) == 0 and seen["a"].command == "mine"
