@@ -225,7 +225,7 @@ class _LayerState:
 
     def __init__(self, layer: int, mixer: GatedDeltaNet, x: Tensor, y: Tensor, n_eval: int, batch: int,
                  args: AlignArgs):
-        self.layer, self.mixer, self.x, self.y, self.args = layer, mixer, x, y, args
+        self.layer, self.mixer, self.x, self.y = layer, mixer, x, y
         self.eval_x, self.eval_y, self.eval_batch = x[:n_eval], y[:n_eval], batch
         for p in mixer.parameters():
             p.requires_grad_(False)
@@ -241,8 +241,9 @@ class _LayerState:
         self.best_eval, self.best_step, self.best_state, self.current = float("inf"), 0, None, float("nan")
 
     def batch(self, rows: Tensor, crop: slice) -> tuple[Tensor, Tensor]:
-        x = self.x[rows.to(self.x.device), crop].to(self.device, torch.float32, non_blocking=True)
-        y = self.y[rows.to(self.y.device), crop].to(self.device, torch.float32, non_blocking=True)
+        """This step's rows (`rows` on the stored data's device) as fp32 on the layer's device."""
+        x = self.x[rows, crop].to(self.device, torch.float32, non_blocking=True)
+        y = self.y[rows, crop].to(self.device, torch.float32, non_blocking=True)
         return x, y
 
     @torch.no_grad()
@@ -269,8 +270,6 @@ class _LayerState:
                 return
             bad = step  # finite loss and gradients but a non-finite output on the eval rows
         self.diverged_at, self.active = bad, False  # it leaves the forward; its (NaN) optimizer state is never used
-        for p in self.params:
-            p.grad = None
         self.restore_best()
         self.current = self.best_eval
         log.warning("align: layer %d diverged (non-finite loss or gradient) at step %d; restored its state from "
@@ -289,7 +288,7 @@ class _Training:
     non-finite step) are device tensors indexed by layer position: no host sync per step."""
 
     def __init__(self, states: list[_LayerState], args: AlignArgs):
-        self.states, self.args = states, args
+        self.states = states
         self.pos = {id(s): i for i, s in enumerate(states)}
         self.group = len(states) if args.layer_group is None else args.layer_group
         trained = [s for s in states if s.params]
@@ -308,6 +307,7 @@ class _Training:
         self.best_train_step = torch.zeros(n, dtype=torch.long, device=self.device)
         self.bad = torch.full((n,), -1, dtype=torch.long, device=self.device)
         self.timing = _Timer(self.device)
+        self._positions: dict[tuple, Tensor] = {}  # layer positions of a chunk, on the device (built once)
 
     def step(self, step: int, rows: Tensor, crop: slice, factor: float) -> None:
         active = [s for s in self.states if s.active]
@@ -323,7 +323,8 @@ class _Training:
 
     def _forward_backward(self, chunk: list[_LayerState], step: int, rows: Tensor, crop: slice) -> None:
         """Forward and backward of `chunk`'s layers with one stacked recurrence; clip each layer's gradient."""
-        data = [s.batch(rows, crop) for s in chunk]
+        rows_on = {d: rows.to(d) for d in {s.x.device for s in chunk}}
+        data = [s.batch(rows_on[s.x.device], crop) for s in chunk]
         m0 = chunk[0].mixer
         if any((s.mixer.num_heads, s.mixer.head_dim, s.mixer.backend) != (m0.num_heads, m0.head_dim, m0.backend)
                for s in chunk):
@@ -337,19 +338,18 @@ class _Training:
             outs = [s.mixer.output(x, o_l) for s, (x, _), o_l in zip(chunk, data, o.split(len(rows)))]
         losses = torch.stack([F.mse_loss(out.float(), y) for out, (_, y) in zip(outs, data)])
         losses.sum().backward()  # layer l's parameters only see loss l
-        norms = torch.stack([self._clip(s.params) for s in chunk])
+        norms = torch.stack([torch.nn.utils.clip_grad_norm_(s.params, self.max_norm) for s in chunk])  # per layer
         losses = losses.detach()
-        idx = torch.tensor([self.pos[id(s)] for s in chunk], device=self.device)
+        key = tuple(self.pos[id(s)] for s in chunk)
+        idx = self._positions.get(key)
+        if idx is None:
+            idx = self._positions[key] = torch.tensor(key, device=self.device)
         ok = torch.isfinite(losses) & torch.isfinite(norms)
         bad = self.bad[idx]
         self.bad[idx] = torch.where((bad < 0) & ~ok, step, bad)
         better = ok & (losses < self.best_train[idx])
         self.best_train[idx] = torch.where(better, losses, self.best_train[idx])
         self.best_train_step[idx] = torch.where(better, step, self.best_train_step[idx])
-
-    def _clip(self, params: list[torch.nn.Parameter]) -> Tensor:
-        """torch.nn.utils.clip_grad_norm_ for one layer: its total gradient norm, before clipping."""
-        return torch.nn.utils.clip_grad_norm_(params, self.max_norm)
 
     def first_bad(self, s: _LayerState) -> int:
         return int(self.bad[self.pos[id(s)]].item())
