@@ -151,8 +151,9 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
     """Train every mixer (in place) to reproduce its layer's teacher attention output; returns the report
 
         {"layers": {l: {"rel_mse_before", "rel_mse_after", "best_step", "diverged_at", "best_eval_rel_mse",
-                        "best_train_loss", "best_train_step", "wall_s", "trained_params"}},
-         "mean_rel_mse_before", "mean_rel_mse_after", "wall_s", "steps", "tokens_per_step", "eval_rows"}
+                        "best_train_loss", "best_train_step", "trained_params"}},
+         "mean_rel_mse_before", "mean_rel_mse_after", "wall_s", "train_s", "steps", "layer_group",
+         "tokens_per_step", "eval_rows"}
 
     Mixers stay where they are (device); stored rows may live elsewhere (e.g. CPU) and move a batch at a time.
     requires_grad flags, train/eval mode and parameter dtypes are restored at the end, even on error.
@@ -180,12 +181,15 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
         train = _Training(list(st.values()), args)
         before = {l: st[l].evaluate(0) for l in layers}
         bar = tqdm(range(1, args.steps + 1), desc="align", leave=False, disable=args.steps == 0)
+        clock = Clock(train.device)
+        clock.start()
         for step in bar:
             train.step(step, idx[step - 1], crop, lr_factor(step, args))
             if step % args.log_every == 0 or step == args.steps:
-                for l in layers:
-                    if st[l].active:
-                        st[l].check(step, train.first_bad(st[l]))
+                with clock.paused():
+                    for l in layers:
+                        if st[l].active:
+                            st[l].check(step, train.first_bad(st[l]))
                 bar.set_postfix(rel_mse=f"{sum(s.current for s in st.values()) / len(layers):.4f}")
         bar.close()
         report_layers = {}
@@ -210,7 +214,7 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
         "mean_rel_mse_before": sum(r["rel_mse_before"] for r in report_layers.values()) / len(layers),
         "mean_rel_mse_after": sum(r["rel_mse_after"] for r in report_layers.values()) / len(layers),
         "wall_s": time.perf_counter() - t_start,
-        "train_s": train.timing.total(),
+        "train_s": clock.elapsed(),
         "steps": args.steps,
         "layer_group": train.group,
         "tokens_per_step": batch * seq,
@@ -283,6 +287,36 @@ class _LayerState:
             p.copy_(b)
 
 
+class Clock:
+    """Training wall time without a host sync per step: synchronises only when it starts, pauses (evaluation,
+    checkpoints) or is read (log steps)."""
+
+    def __init__(self, device):
+        self.device, self.t0, self.excluded = device, None, 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.t0 = self._now()
+
+    @contextlib.contextmanager
+    def paused(self):
+        t = self._now()
+        yield
+        self.excluded += self._now() - t
+
+    def elapsed(self) -> float:
+        return 0.0 if self.t0 is None else self._now() - self.t0 - self.excluded
+
+    def rate(self, tokens: int) -> float | None:
+        if self.t0 is None or tokens <= 0:
+            return None
+        return tokens / self.elapsed()
+
+
 class _Training:
     """The optimizer of all layers and the batched step. Per-layer records (best training loss and its step, first
     non-finite step) are device tensors indexed by layer position: no host sync per step."""
@@ -306,20 +340,18 @@ class _Training:
         self.best_train = torch.full((n,), float("inf"), device=self.device)
         self.best_train_step = torch.zeros(n, dtype=torch.long, device=self.device)
         self.bad = torch.full((n,), -1, dtype=torch.long, device=self.device)
-        self.timing = _Timer(self.device)
         self._positions: dict[tuple, Tensor] = {}  # layer positions of a chunk, on the device (built once)
 
     def step(self, step: int, rows: Tensor, crop: slice, factor: float) -> None:
         active = [s for s in self.states if s.active]
         if not active:
             return
-        with self.timing:
-            for g, base in zip(self.opt.param_groups, self.base_lrs):
-                g["lr"] = base * factor
-            for i in range(0, len(active), self.group):
-                self._forward_backward(active[i:i + self.group], step, rows, crop)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+        for g, base in zip(self.opt.param_groups, self.base_lrs):
+            g["lr"] = base * factor
+        for i in range(0, len(active), self.group):
+            self._forward_backward(active[i:i + self.group], step, rows, crop)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
     def _forward_backward(self, chunk: list[_LayerState], step: int, rows: Tensor, crop: slice) -> None:
         """Forward and backward of `chunk`'s layers with one stacked recurrence; clip each layer's gradient."""
@@ -359,33 +391,6 @@ class _Training:
         best = float(self.best_train[i].item())
         ok = math.isfinite(best)
         return dict(best_train_loss=best if ok else None, best_train_step=int(self.best_train_step[i]) if ok else None)
-
-
-class _Timer:
-    """Accumulated time of a code block: CUDA events on a GPU (no host sync until `total`), perf_counter else."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.events, self.seconds, self.t0 = [], 0.0, 0.0
-
-    def __enter__(self):
-        if self.cuda:
-            self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-            self.events[-1][0].record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.events[-1][1].record()
-        else:
-            self.seconds += time.perf_counter() - self.t0
-
-    def total(self) -> float:
-        if self.cuda and self.events:
-            torch.cuda.synchronize()
-            self.seconds, self.events = self.seconds + sum(a.elapsed_time(b) for a, b in self.events) / 1e3, []
-        return self.seconds
 
 
 def _restore_dtypes(saved: list[tuple[torch.nn.Parameter, torch.dtype]]) -> None:

@@ -19,7 +19,7 @@ import math
 import os
 import shutil
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from taylor_calibrate.align import autocast, batch_indices, lr_factor
+from taylor_calibrate.align import Clock, autocast, batch_indices, lr_factor
 from taylor_calibrate.config import (DistillArgs, TrainArgs, apply_profile, apply_train_profile)
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.export import REPORT, load_model, write_json
@@ -257,33 +257,6 @@ class _Schedule:  # what align.lr_factor reads
     schedule: str = "cosine"
 
 
-class _Clock:
-    """Training wall time without a host sync per step: synchronises only when it starts, pauses (evaluation,
-    checkpoints) or is read (log steps)."""
-
-    def __init__(self, device):
-        self.device, self.t0, self.excluded = device, None, 0.0
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def start(self) -> None:
-        self.t0 = self._now()
-
-    @contextmanager
-    def paused(self):
-        t = self._now()
-        yield
-        self.excluded += self._now() - t
-
-    def rate(self, tokens: int) -> float | None:
-        if self.t0 is None or tokens <= 0:
-            return None
-        return tokens / (self._now() - self.t0 - self.excluded)
-
-
 def flops_per_token(student, teacher, trained: set[str]) -> float:
     """Matmul FLOPs per training token: teacher forward 2N_t, student forward 2N_s, backward through the student's
     activations 2N_s, weight gradients 2N_trained (embedding lookups excluded; attention/recurrence FLOPs ignored)."""
@@ -364,7 +337,7 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
         evaluate(0)
     model.train()
     bar = tqdm(range(start + 1, steps + 1), desc=desc, disable=not ctx.main, unit="step", leave=False)
-    clock = _Clock(device)
+    clock = Clock(device)
     last = {}
     for step in bar:
         factor = lr_factor(step, sched)

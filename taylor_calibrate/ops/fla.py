@@ -126,7 +126,6 @@ def recurrent_gated_delta_rule(
 
 
 @functools.cache
-@functools.cache
 def check_fla_backward() -> str | None:
     """Run a tiny forward + backward through fla's chunk kernel once per process; None if it works, else why not.
 
