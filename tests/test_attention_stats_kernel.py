@@ -103,6 +103,18 @@ def test_kernel_equals_references(T, D, heads, window, softcap):
     _check(got, attention_stats(q.cpu(), k.cpu(), scale, window, softcap, block=32))
 
 
+# query tiles twice the key tiles: the kernel's split into masked edge blocks (key 0, the window's lower edge, the
+# diagonal) and unmasked bulk blocks must give the same sums for every window position
+@pytest.mark.parametrize("T,D,heads,window,softcap", [
+    (130, 64, (4, 1), None, None), (37, 64, (4, 2), 7, None), (130, 32, (2, 1), 40, None),
+    (130, 32, (2, 2), 70, None), (130, 64, (4, 2), 20, 3.0)])
+def test_rectangular_tiles(T, D, heads, window, softcap):
+    H, Hkv = heads
+    q, k = _qk(1, H, Hkv, T, D, seed=5)
+    got = attention_stats_triton(q, k, D ** -0.5, window, softcap, block_m=32, block_n=16)
+    _check(got, attention_stats_naive(q.cpu(), k.cpu(), D ** -0.5, window, softcap))
+
+
 def test_default_tiles_and_strided_inputs():
     """Production tiles (64-wide) and the (B, T, H, D).transpose(1, 2) views transformers hands to attention."""
     B, T, H, Hkv, D = 1, 100, 4, 2, 64
@@ -159,6 +171,8 @@ def test_bad_input_is_refused():
         attention_stats_triton(q, k, 1.0, window=0)
     with pytest.raises(TypeError, match="fp64"):
         attention_stats_triton(q.double(), k.double(), 1.0)
+    with pytest.raises(ValueError, match="block_m >= block_n"):
+        attention_stats_triton(q, k, 1.0, block_m=16, block_n=32)
 
 
 def test_dispatcher(monkeypatch):
