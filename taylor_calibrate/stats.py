@@ -53,51 +53,70 @@ class TeacherStats:
     tokens: int = 0
 
 
+# the per-query quantities averaged into LayerStats, in the order the collector stacks them
+_MEANS = ("distance", "distance_floored", "entropy", "concentration_abs", "distance_nosink", "entropy_nosink",
+          "concentration_abs_nosink", "sink_mass", "head_sq")
+
+
 class _Collector:
-    """Accumulates sums during the teacher pass; the attention function below feeds it."""
+    """Accumulates sums during the teacher pass; the attention function below feeds it.
+
+    The pass is host-bound at short lengths (one layer's statistics are a few small tensors), so each layer costs a
+    handful of tensor ops: the per-query quantities are stacked into one (9, B, H, T) tensor and summed in one go,
+    position constants are cached per length, and the sums stay on the device until `finish` reads them all at once."""
 
     def __init__(self, store_layers, block, store_device, backend="auto"):
-        self.sums: dict[int, dict[str, torch.Tensor]] = {}
-        self.counts: dict[int, dict[str, torch.Tensor]] = {}
+        self.sums: dict[int, torch.Tensor] = {}  # (9, H) float64 per layer, `_MEANS` order
+        self.counts: dict[int, torch.Tensor] = {}
         self.windows: dict[int, int | None] = {}
         self.store_layers, self.block, self.store_device = set(store_layers), block, store_device
         self.backend = backend
         self.inputs: dict[int, list] = {i: [] for i in store_layers}
         self.head_outputs: dict[int, list] = {i: [] for i in store_layers}
+        self._consts: dict[tuple, torch.Tensor] = {}
+
+    def inverse_log_keys(self, T, window, device) -> torch.Tensor:
+        """(2, T): 1 / log n_t and 1 / log(n_t - 1 if the sink is visible else n_t), NaN where that count is <= 1
+        (a query that sees one key has no concentration), for n_t = visible keys of query t."""
+        key = (T, window, str(device))
+        if key not in self._consts:
+            pos = torch.arange(T, device=device, dtype=torch.float64)
+            n = (pos + 1) if window is None else (pos + 1).clamp_max(window)
+            sink_visible = pos < window if window is not None else torch.ones_like(pos, dtype=torch.bool)
+            n0 = torch.where(sink_visible, n - 1, n)  # keys left once the sink is dropped (none past the window)
+            inv = torch.stack([n, n0]).log().reciprocal()
+            self._consts[key] = torch.where(torch.stack([n, n0]) > 1, inv, math.nan).float()
+        return self._consts[key]
 
     def observe(self, module, query, key, out, scaling, window, softcap):
         idx = module.layer_idx
         st = attention_stats(query, key, scaling, window, softcap, self.block, backend=self.backend)  # GQA: k unexpanded
-        T = query.shape[2]
-        n = torch.arange(1, T + 1, device=query.device).float()
-        if window is not None:
-            n = n.clamp_max(window)
-        pos = torch.arange(T, device=query.device)
-        sink_visible = pos < window if window is not None else torch.ones_like(pos, dtype=torch.bool)
-        n0 = torch.where(sink_visible, n - 1, n)  # keys left once the sink is dropped (none dropped past the window)
-        logn, logn0 = torch.log(n), torch.log(n0.clamp_min(1))
-        conc = torch.where(n > 1, 1 - st["entropy"] / logn.clamp_min(1e-9), math.nan)
-        conc0 = torch.where(n0 > 1, 1 - st["entropy_nosink"] / logn0.clamp_min(1e-9), math.nan)
-        y = out.float()  # (B, T, H, D)
-        per_query = {
-            "distance": st["distance"], "distance_floored": st["distance"] + 0.5 * st["diag"],
-            "entropy": st["entropy"], "concentration_abs": conc, "distance_nosink": st["distance_nosink"],
-            "entropy_nosink": st["entropy_nosink"], "concentration_abs_nosink": conc0, "sink_mass": st["sink"],
-            "head_sq": y.pow(2).mean(-1).transpose(1, 2),  # (B, H, T)
-        }
-        sums, counts = self.sums.setdefault(idx, {}), self.counts.setdefault(idx, {})
-        for name, v in per_query.items():
-            ok = ~torch.isnan(v)
-            sums[name] = sums.get(name, 0) + torch.where(ok, v, 0.0).sum((0, 2)).double()
-            counts[name] = counts.get(name, 0) + ok.sum((0, 2)).double()
+        inv = self.inverse_log_keys(query.shape[2], window, query.device)
+        ent, ent0, dist, dist0 = st["entropy"], st["entropy_nosink"], st["distance"], st["distance_nosink"]
+        head_sq = out.float().pow(2).mean(-1).transpose(1, 2)  # (B, H, T): out is (B, T, H, D)
+        per_query = torch.stack([dist, torch.add(dist, st["diag"], alpha=0.5), ent,
+                                 1 - ent * inv[0], dist0, ent0, 1 - ent0 * inv[1], st["sink"], head_sq])
+        ok = ~torch.isnan(per_query)
+        sums = per_query.nan_to_num(0.0).sum((1, 3), dtype=torch.float64)
+        counts = ok.sum((1, 3), dtype=torch.float64)
+        if idx in self.sums:
+            self.sums[idx] += sums
+            self.counts[idx] += counts
+        else:
+            self.sums[idx], self.counts[idx] = sums, counts
         self.windows[idx] = window
         if idx in self.store_layers:
             self.head_outputs[idx].append(out.reshape(*out.shape[:2], -1).detach().to(self.store_device))
 
     def finish(self) -> dict[int, LayerStats]:
+        if not self.sums:
+            return {}
+        order = sorted(self.sums)
+        means = (torch.stack([self.sums[i] for i in order]) / torch.stack([self.counts[i] for i in order]).clamp_min(1))
+        means = means.float().cpu()  # one device -> host copy for every layer and quantity
         layers = {}
-        for idx in sorted(self.sums):
-            mean = {k: (self.sums[idx][k] / self.counts[idx][k].clamp_min(1)).float().cpu() for k in self.sums[idx]}
+        for idx, m in zip(order, means):
+            mean = dict(zip(_MEANS, m))
             head_rms = mean.pop("head_sq").sqrt()
             layers[idx] = LayerStats(**mean, head_rms=head_rms, window=self.windows[idx])
         return layers
