@@ -3,6 +3,9 @@
 Parts (pick with --parts; each finishes well inside 10 minutes on one H200; the JSON is rewritten after every
 measured row, so a killed run keeps what it measured; a markdown twin is written beside it):
 
+  align      phase 2 alone (the default alignment, full profile) on a SmolLM2-135M-shaped teacher, timed after a
+             short untimed run has compiled and tuned every kernel (`align_smollm2_warm_s`; the convert part's
+             `align_smollm2_s` is the cold figure of a fresh process).
   stats      Qwen2.5-1.5B-shaped teacher (bf16): `collect_stats` as `convert` calls it (GDN layers stored on the
              GPU) against the same teacher forward without statistics (both keep only the last position's logits;
              the full-logits forward is recorded beside), at T = 8K and 32K, batch 1 (`stats_vs_forward`), with the torch
@@ -44,8 +47,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from taylor_calibrate import ops
-from taylor_calibrate.config import AlignArgs, ConvertArgs, DataArgs, GDNConfig, TrainArgs
-from taylor_calibrate.convert import convert_loaded
+from taylor_calibrate.align import align_layers
+from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, ConvertArgs, DataArgs, GDNConfig, TrainArgs
+from taylor_calibrate.convert import attention_targets, calibrated_mixers, convert_loaded
 from taylor_calibrate.distill import distill
 from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import convert_teacher
@@ -55,6 +59,8 @@ from taylor_calibrate.teacher import DEFAULT_TEACHER, Teacher, embedded_teacher_
 
 # Teacher shapes (config fields of the public checkpoints; random weights)
 SHAPES = {
+    "smollm2": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                              head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)),
     "1p5b": ("qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                            head_dim=128, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
                            use_sliding_window=False, max_position_embeddings=131072)),
@@ -63,6 +69,8 @@ SHAPES = {
                          max_position_embeddings=131072)),  # Qwen3: q/k RMSNorm built in
 }
 TINY_SHAPES = {
+    "smollm2": ("llama", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True)),
     "1p5b": ("qwen2", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
                            use_sliding_window=False)),
@@ -83,7 +91,7 @@ DEFAULTS = {
     "distill_seq": (2048, 32),
     "distill_steps": (8, 3),
 }
-PARTS = ("convert", "stats", "scale", "distill", "inference")
+PARTS = ("convert", "align", "stats", "scale", "distill", "inference")
 MB = 2 ** 20
 
 
@@ -335,38 +343,107 @@ def part_convert(a, device, dtype, res, save):
     free(device)
 
 
+# ----------------------------------------------------------------------------- part: phase 2 alone, warm
+
+
+def part_align(a, device, dtype, res, save):
+    """Phase 2 of the default conversion on a SmolLM2-135M-shaped teacher (random weights: the time does not depend
+    on them), in a process whose kernels are already compiled and tuned by a short untimed run, so
+    `align_smollm2_warm_s` is the steady state beside the convert part's cold figure (a fresh process pays fla's
+    compilation and autotuning inside phase 1 and 2). --align-profile adds a torch.profiler table of 20 steps."""
+    model = build_teacher("smollm2", a.tiny, device, dtype)
+    n = model.config.num_hidden_layers
+    converted = gdn_layers(kept_layers("uniform", n, 4), n)
+    prof = PROFILES["quick" if a.tiny else "full"]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (prof["calib_seqs"], prof["seq_len"]), generator=gen)
+    stats = collect_stats(model, ids, store_layers=converted, store_device=device)
+    targets = attention_targets(model, stats, converted)
+    inputs = {i: stats.inputs[i] for i in converted}
+    backend = ops.resolve_backend("auto")
+    steps = a.scale_align_steps or prof["align_steps"]
+
+    def run(n_steps):
+        mixers, _ = calibrated_mixers(model, stats, converted, "taylor", CalibArgs(), GDNConfig(), backend)
+        args = AlignArgs(steps=n_steps, batch_size=prof["align_batch_size"], seq_len=prof["align_seq_len"])
+        sync(device)
+        t = time.perf_counter()
+        report = align_layers(mixers, inputs, targets, args)
+        sync(device)
+        return time.perf_counter() - t, report
+
+    run(10)  # compiles and tunes every kernel of the step
+    wall, report = run(steps)
+    row = {"shape": "smollm2-135m" + (" (tiny)" if a.tiny else ""), "gdn_layers": len(converted), "steps": steps,
+           "tokens_per_step": report["tokens_per_step"], "wall_s": wall, "train_s": report["train_s"],
+           "step_ms": 1e3 * report["train_s"] / steps, "layer_group": report["layer_group"],
+           "rel_mse_before": report["mean_rel_mse_before"], "rel_mse_after": report["mean_rel_mse_after"],
+           "backend": backend}
+    res["align"] = row
+    res["align_smollm2_warm_s"] = wall
+    print("[align] " + json.dumps(row), flush=True)
+    save()
+    if a.align_profile:
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                        if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as p:
+            run(20)
+        for sort in ("cpu_time_total",) + (("cuda_time_total",) if device.type == "cuda" else ()):
+            print(p.key_averages().table(sort_by=sort, row_limit=30), flush=True)
+    del model, stats, targets, inputs
+    free(device)
+
+
 # ----------------------------------------------------------------------------- part: distillation throughput
 
 
 def part_distill(a, device, dtype, res, save):
-    """`distill.distill` on random tokens: throughput does not depend on the text or the init."""
+    """`distill.distill` on random tokens: throughput does not depend on the text or the init. With
+    --distill-compile the same run again with `--train.compile` (decoder layers under torch.compile); with
+    --distill-profile a torch.profiler table of two more steps (where the step's time goes)."""
     teacher = build_teacher("1p5b", a.tiny, device, dtype)
     cfg = teacher.config
     n = cfg.num_hidden_layers
     converted = gdn_layers(kept_layers("uniform", n, 4), n)
-    student = convert_teacher(teacher, converted, GDNConfig()).float()  # fp32 masters, as run_distill loads them
-    gdn_backend = student.set_backend("auto")
     B, T, steps = a.distill_batch, a.distill_seq, a.distill_steps
     gen = torch.Generator().manual_seed(0)
     rows = torch.randint(0, cfg.vocab_size, (B * steps, T), generator=gen)
-    args = TrainArgs(tokens=B * T * steps, batch_size=B, micro_batch_size=a.distill_micro, train="mixers",
-                     eval_every=10 ** 9, save_every=10 ** 9, log_every=1)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    with tempfile.TemporaryDirectory() as tmp:
-        report = distill(student, teacher, rows, rows[:1], args, tmp, resume=False, eval_batch_size=1,
-                         desc="distill 1.5b")
-    row = {k: report[k] for k in ("steps", "tokens_per_step", "seq_len", "trained", "trained_params", "tokens_per_s",
-                                  "flops_per_token", "mfu")}
-    row.update(shape="qwen2.5-1.5b" + (" (tiny)" if a.tiny else ""), micro_batch=a.distill_micro,
-               gdn_backend=gdn_backend, gdn_layers=len(converted), timed_steps=steps - 1,
-               peak_mem_mb=mb(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None)
-    res["distill"] = row
-    res["distill_mfu_1p5b"] = report["mfu"]
-    res["distill_tokens_per_s_1p5b"] = report["tokens_per_s"]
-    print("[distill] " + json.dumps(row), flush=True)
-    save()
-    del student, teacher
+
+    def run(compile_layers, n_steps=steps, desc="distill 1.5b"):
+        student = convert_teacher(teacher, converted, GDNConfig()).float()  # fp32 masters, as run_distill loads them
+        backend = student.set_backend("auto")
+        args = TrainArgs(tokens=B * T * n_steps, batch_size=B, micro_batch_size=a.distill_micro, train="mixers",
+                         eval_every=10 ** 9, save_every=10 ** 9, log_every=1, compile=compile_layers)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with tempfile.TemporaryDirectory() as tmp:
+            report = distill(student, teacher, rows[:B * n_steps], rows[:1], args, tmp, resume=False,
+                             eval_batch_size=1, desc=desc)
+        row = {k: report[k] for k in ("steps", "tokens_per_step", "seq_len", "trained", "trained_params",
+                                      "tokens_per_s", "flops_per_token", "mfu")}
+        row.update(shape="qwen2.5-1.5b" + (" (tiny)" if a.tiny else ""), micro_batch=a.distill_micro,
+                   gdn_backend=backend, gdn_layers=len(converted), timed_steps=n_steps - 1, compile=compile_layers,
+                   peak_mem_mb=mb(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None)
+        del student
+        free(device)
+        return row
+
+    for compiled in [False] + ([True] if a.distill_compile else []):
+        row = run(compiled)
+        key = "distill_compiled" if compiled else "distill"
+        res[key] = row
+        if not compiled or (row["mfu"] or 0) > (res.get("distill_mfu_1p5b") or 0):
+            res["distill_mfu_1p5b"], res["distill_tokens_per_s_1p5b"] = row["mfu"], row["tokens_per_s"]
+        print(f"[{key}] " + json.dumps(row), flush=True)
+        save()
+    if a.distill_profile:
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                        if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            run(a.distill_compile, 3, "distill 1.5b (profiled)")
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=40), flush=True)
+    del teacher
     free(device)
 
 
@@ -477,6 +554,13 @@ def markdown(res: dict) -> str:
                   f"| {fmt(cv['wall_s'], '.1f')} | {fmt(s.get('load_teacher_s'), '.1f')} | {fmt(s.get('stats_s'), '.1f')} | "
                   f"{fmt(s.get('phase1_s'), '.1f')} | {fmt(s.get('phase2_s'), '.1f')} | {fmt(cv['teacher_ppl'], '.3f')} | "
                   f"{fmt(cv['hybrid_ppl'], '.3f')} | {fmt(cv['ppl_ratio'])} |", ""]
+    al = res.get("align")
+    if al:
+        lines += [f"## Phase 2 alone, warm ({al['shape']}, {al['gdn_layers']} GDN layers in groups of "
+                  f"{al['layer_group']}, {al['steps']} steps x {al['tokens_per_step']} tokens, backend "
+                  f"`{al['backend']}`)", "", "| wall s | training s | ms / step | rel-MSE before -> after |",
+                  "|---|---|---|---|", f"| {fmt(al['wall_s'], '.1f')} | {fmt(al['train_s'], '.1f')} | "
+                  f"{fmt(al['step_ms'], '.1f')} | {al['rel_mse_before']:.3f} -> {al['rel_mse_after']:.3f} |", ""]
     st = res.get("stats")
     if st:
         lines += [f"## Statistics pass ({st['shape']}, batch 1, stats backend `{st['stats_backend']}`, "
@@ -511,10 +595,13 @@ def markdown(res: dict) -> str:
     if di:
         lines += [f"## Distillation ({di['shape']}, {di['gdn_layers']} GDN layers, trains {di['trained']}, "
                   f"{di['tokens_per_step']:,} tokens per step in micro-batches of {di['micro_batch']} x {di['seq_len']})",
-                  "", "| tokens/s | FLOP/token | MFU | peak GB |", "|---|---|---|---|",
-                  f"| {fmt(di['tokens_per_s'], ',.0f')} | {fmt(di['flops_per_token'], '.3g')} | "
-                  f"{'-' if di['mfu'] is None else format(di['mfu'], '.1%')} | "
-                  f"{fmt(None if di['peak_mem_mb'] is None else di['peak_mem_mb'] / 1024, '.1f')} |", ""]
+                  "", "| decoder layers | tokens/s | FLOP/token | MFU | peak GB |", "|---|---|---|---|---|"]
+        for name, r in (("eager", di), ("torch.compile (`--train.compile`)", res.get("distill_compiled"))):
+            if r:
+                lines.append(f"| {name} | {fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['flops_per_token'], '.3g')} | "
+                             f"{'-' if r['mfu'] is None else format(r['mfu'], '.1%')} | "
+                             f"{fmt(None if r['peak_mem_mb'] is None else r['peak_mem_mb'] / 1024, '.1f')} |")
+        lines.append("")
     inf = res.get("inference")
     if inf:
         lines += [f"## Inference ({inf['shape']}: {inf['kept_layers']} attention + {inf['gdn_layers']} GDN layers, "
@@ -561,6 +648,10 @@ def main(argv=None):
                     help="scale part: the embedded teacher's tokenizer (falls back to bytes if not installed)")
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="convert part: the teacher (as `convert --teacher`)")
     ap.add_argument("--repeats", type=int, default=2, help="stats part: best of N timings at the ratio lengths")
+    ap.add_argument("--distill-compile", action="store_true",
+                    help="distill part: also run with --train.compile (the better MFU is the headline figure)")
+    ap.add_argument("--align-profile", action="store_true", help="align part: print a torch.profiler table")
+    ap.add_argument("--distill-profile", action="store_true", help="distill part: print a torch.profiler table")
     ap.add_argument("--scale-align-steps", type=int, default=None,
                     help="scale part: alignment steps per layer (default: the profile's, 300 on a GPU)")
     for key, (full, _) in DEFAULTS.items():
@@ -602,6 +693,8 @@ def main(argv=None):
                 part_distill(a, device, dtype, res, save)
             elif part == "stats":
                 part_stats(a, device, dtype, res, save)
+            elif part == "align":
+                part_align(a, device, dtype, res, save)
             elif part == "scale":
                 if tokenizer is None:
                     tokenizer, tokenizer_name = load_tokenizer(a.tokenizer)

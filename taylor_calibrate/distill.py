@@ -105,6 +105,14 @@ def wrap(student, ctx: Dist, parallel: str, device: torch.device):
     return student
 
 
+def compile_layers(*models) -> None:
+    """torch.compile each decoder layer in place (per layer, as torchtitan does: one graph serves every layer of a
+    kind, and FSDP2's per-layer wrapping stays outside the compiled code)."""
+    for m in models:
+        for layer in m.model.layers:
+            layer.compile()
+
+
 # --- the loss ----------------------------------------------------------------------------------------------------
 def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs) -> tuple[torch.Tensor, dict]:
     """The distillation loss of the module docstring, mean over tokens; returns (loss, its parts as floats)."""
@@ -298,6 +306,8 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
     for n, p in student.named_parameters():
         p.requires_grad_(n in trained)
     teacher.requires_grad_(False).eval()
+    if args.compile:
+        compile_layers(student, teacher)
     model = wrap(student, ctx, args.parallel, device)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = {id(p) for p in params if p.ndim >= 2}

@@ -170,3 +170,16 @@ def test_not_a_hybrid_and_corrupt_checkpoint(assets, capsys, tmp_path):
     (out / "checkpoints" / "step_00000004" / "model.safetensors").write_bytes(b"\x00junk")
     assert main(_argv(root, corpus, out, 2, "--train.tokens", str(4 * 4 * 32))) == 2
     assert "corrupt" in capsys.readouterr().err
+
+
+def test_compiled_layers_follow_the_eager_run(assets):
+    """--train.compile compiles every decoder layer (torch.compile, inductor on this CPU): same losses as eager."""
+    root, _, corpus = assets
+    losses = {}
+    for flag in ("false", "true"):
+        out = root / f"compile_{flag}"
+        with one_thread():
+            assert main(_argv(root, corpus, out, 3, "--train.compile", flag)) == 0
+        losses[flag] = [r["loss"] for r in _records(out) if "kl" in r]
+    assert len(losses["true"]) == 3
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-3, abs=1e-5)
