@@ -17,8 +17,8 @@ measured row, so a killed run keeps what it measured; a markdown twin is written
              perplexity of teacher and hybrid.
   distill    recovery distillation of a 1.5B-shape hybrid (uniform, copy-only mixers) toward its teacher, as `distill`
              runs it (fp32 master weights, bf16 autocast, forward KL over the 152K vocabulary): tokens/s after the
-             first (untimed) step and MFU (`distill.flops_per_token`, H200 bf16 peak 989 TFLOP/s); eager, and with
-             --distill-compile also compiled (the CUDA default, `--train.compile`).
+             first (untimed) step and MFU (`distill.flops_per_token`, H200 bf16 peak 989 TFLOP/s); eager and / or
+             compiled (--distill-modes; compiled is the CUDA default, `--train.compile`).
   inference  1.5B-shape hybrid (uniform, keep_every 4: 7 attention + 21 GDN layers, copy-only mixers: speed does not
              depend on the init) against its teacher (SDPA): prefill and decode throughput at 4K..64K, batch 1 and 8,
              and cache bytes per sequence (KV of attention layers + GDN recurrent / conv state).
@@ -400,8 +400,8 @@ def part_align(a, device, dtype, res, save):
 
 def part_distill(a, device, dtype, res, save):
     """`distill.distill` on random tokens: throughput does not depend on the text or the init. With
-    --distill-compile the same run again with `--train.compile true` (decoder layers and loss under torch.compile,
-    the default on CUDA, so its figures are then the headline); with
+    --distill-modes eager,compiled the same run again with `--train.compile true` (decoder layers and loss under
+    torch.compile, the default on CUDA: list it last for the headline); with
     --distill-profile a torch.profiler table of two more steps (where the step's time goes)."""
     teacher = build_teacher("1p5b", a.tiny, device, dtype)
     cfg = teacher.config
@@ -430,7 +430,10 @@ def part_distill(a, device, dtype, res, save):
         free(device)
         return row
 
-    for compiled in [False] + ([True] if a.distill_compile else []):
+    modes = a.distill_modes.split(",")
+    if not modes or set(modes) - {"eager", "compiled"}:
+        raise ValueError(f"--distill-modes {a.distill_modes!r}: a comma list of eager, compiled")
+    for compiled in [m == "compiled" for m in modes]:
         row = run(compiled)
         key = "distill_compiled" if compiled else "distill"
         res[key] = row
@@ -442,7 +445,7 @@ def part_distill(a, device, dtype, res, save):
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                         if device.type == "cuda" else [])
         with torch.profiler.profile(activities=acts) as prof:
-            run(a.distill_compile, 3, "distill 1.5b (profiled)")
+            run(modes[-1] == "compiled", 3, "distill 1.5b (profiled)")
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=40), flush=True)
     del teacher
@@ -593,12 +596,12 @@ def markdown(res: dict) -> str:
             lines.append(f"| {shape} | {fmt(r.get('wall_s'), '.1f')} | " + " | ".join(cells) + f" | {fmt(peak, '.1f')} |"
                          + (f" {r['error']}" if r.get("error") else ""))
         lines.append("")
-    di = res.get("distill")
+    di = res.get("distill") or res.get("distill_compiled")
     if di:
         lines += [f"## Distillation ({di['shape']}, {di['gdn_layers']} GDN layers, trains {di['trained']}, "
                   f"{di['tokens_per_step']:,} tokens per step in micro-batches of {di['micro_batch']} x {di['seq_len']})",
                   "", "| decoder layers | tokens/s | FLOP/token | MFU | peak GB |", "|---|---|---|---|---|"]
-        for name, r in (("eager", di), ("torch.compile (`--train.compile`)", res.get("distill_compiled"))):
+        for name, r in (("eager", res.get("distill")), ("torch.compile (`--train.compile`)", res.get("distill_compiled"))):
             if r:
                 lines.append(f"| {name} | {fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['flops_per_token'], '.3g')} | "
                              f"{'-' if r['mfu'] is None else format(r['mfu'], '.1%')} | "
@@ -650,8 +653,9 @@ def main(argv=None):
                     help="scale part: the embedded teacher's tokenizer (falls back to bytes if not installed)")
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="convert part: the teacher (as `convert --teacher`)")
     ap.add_argument("--repeats", type=int, default=2, help="stats part: best of N timings at the ratio lengths")
-    ap.add_argument("--distill-compile", action="store_true",
-                    help="distill part: also run compiled (--train.compile true, the CUDA default: then the headline)")
+    ap.add_argument("--distill-modes", default="eager",
+                    help="distill part: comma list of eager, compiled (--train.compile true, the CUDA default; the "
+                         "last one listed gives the headline figure)")
     ap.add_argument("--align-profile", action="store_true", help="align part: print a torch.profiler table")
     ap.add_argument("--distill-profile", action="store_true", help="distill part: print a torch.profiler table")
     ap.add_argument("--scale-align-steps", type=int, default=None,
