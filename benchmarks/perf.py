@@ -88,7 +88,7 @@ DEFAULTS = {
     "batches": ("1,8", "1,2"),
     "decode_steps": (32, 3),
     "distill_batch": (16, 2),
-    "distill_micro": (4, 1),
+    "distill_micro": (8, 1),
     "distill_seq": (2048, 32),
     "distill_steps": (8, 3),
 }
@@ -435,11 +435,14 @@ def part_distill(a, device, dtype, res, save):
         raise ValueError(f"--distill-modes {a.distill_modes!r}: a comma list of eager, compiled")
     for compiled in [m == "compiled" for m in modes]:
         row = run(compiled)
-        key = "distill_compiled" if compiled else "distill"
-        res[key] = row
-        # the headline is the default configuration: compiled on CUDA (TrainArgs.compile None), when it ran
+        row["command"] = res["command"]
+        # one row per (compiled, micro-batch), kept across runs merged into one file; the last measured is the
+        # headline (list the default configuration, compiled on CUDA, last)
+        runs = [r for r in res.get("distill_runs", []) if (r["compile"], r["micro_batch"]) != (compiled, a.distill_micro)]
+        res["distill_runs"] = runs + [row]
+        res["distill"] = row
         res["distill_mfu_1p5b"], res["distill_tokens_per_s_1p5b"] = row["mfu"], row["tokens_per_s"]
-        print(f"[{key}] " + json.dumps(row), flush=True)
+        print(f"[distill {'compiled' if compiled else 'eager'}] " + json.dumps(row), flush=True)
         save()
     if a.distill_profile:
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
@@ -596,16 +599,17 @@ def markdown(res: dict) -> str:
             lines.append(f"| {shape} | {fmt(r.get('wall_s'), '.1f')} | " + " | ".join(cells) + f" | {fmt(peak, '.1f')} |"
                          + (f" {r['error']}" if r.get("error") else ""))
         lines.append("")
-    di = res.get("distill") or res.get("distill_compiled")
+    di = res.get("distill")
     if di:
         lines += [f"## Distillation ({di['shape']}, {di['gdn_layers']} GDN layers, trains {di['trained']}, "
-                  f"{di['tokens_per_step']:,} tokens per step in micro-batches of {di['micro_batch']} x {di['seq_len']})",
-                  "", "| decoder layers | tokens/s | FLOP/token | MFU | peak GB |", "|---|---|---|---|---|"]
-        for name, r in (("eager", res.get("distill")), ("torch.compile (`--train.compile`)", res.get("distill_compiled"))):
-            if r:
-                lines.append(f"| {name} | {fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['flops_per_token'], '.3g')} | "
-                             f"{'-' if r['mfu'] is None else format(r['mfu'], '.1%')} | "
-                             f"{fmt(None if r['peak_mem_mb'] is None else r['peak_mem_mb'] / 1024, '.1f')} |")
+                  f"{di['tokens_per_step']:,} tokens per step of {di['seq_len']}-token rows)", "",
+                  "| decoder layers + loss | micro-batch | tokens/s | FLOP/token | MFU | peak GB |",
+                  "|---|---|---|---|---|---|"]
+        for r in res.get("distill_runs", [di]):
+            name = "torch.compile (`--train.compile`, CUDA default)" if r.get("compile") else "eager"
+            lines.append(f"| {name} | {r['micro_batch']} | {fmt(r['tokens_per_s'], ',.0f')} | "
+                         f"{fmt(r['flops_per_token'], '.3g')} | {'-' if r['mfu'] is None else format(r['mfu'], '.1%')} | "
+                         f"{fmt(None if r['peak_mem_mb'] is None else r['peak_mem_mb'] / 1024, '.1f')} |")
         lines.append("")
     inf = res.get("inference")
     if inf:

@@ -413,8 +413,9 @@ class TrainArgs:
     """Under torchrun: "ddp" (replicated model) or "fsdp" (FSDP2 `fully_shard`, per decoder layer)."""
     compile: bool | None = None
     """torch.compile every decoder layer of student and teacher and the KL loss (fuses the norms, activations, rotary
-    and the loss's passes over the logits; fla's kernels stay as they are). None: on with CUDA (1.5B shape on an H200:
-    +30% tokens/s, benchmarks/results/perf_h200.md), off on a CPU. The first step pays the compilation."""
+    and the loss's passes over the logits; fla's kernels stay as they are). None: on with CUDA (1.5B shape on an H200,
+    micro-batch 4: 23.0K -> 30.5K tokens/s, peak memory 68 -> 37 GB; benchmarks/results/perf_h200.md), off on a CPU.
+    The first step pays the compilation."""
     peak_tflops: float | None = None
     """Peak dense bf16 TFLOP/s of one accelerator for the MFU estimate (None: known GPUs, e.g. H100/H200 989)."""
     seed: int = 0
