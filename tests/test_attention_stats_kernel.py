@@ -214,3 +214,15 @@ def test_collect_stats_same_with_either_backend(arch, over):
             torch.testing.assert_close(getattr(lb, name), getattr(la, name), rtol=1e-4, atol=1e-5,
                                        msg=lambda m: f"layer {i} {name}: {m}")
     torch.testing.assert_close(b.head_outputs[1], a.head_outputs[1])
+
+
+def test_autotune_candidates():
+    """The tiles the GPU autotuner may pick keep BLOCK_M a multiple of BLOCK_N (the loop's diagonal split), and wide
+    heads (D > 128) keep only tiles whose shared memory fits."""
+    from taylor_calibrate.ops.attention_stats_triton import _configs, _prune
+
+    configs = _configs()
+    assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0 for c in configs)
+    assert _prune(configs, {}, HEAD_DIM=128) == configs
+    wide = _prune(configs, {}, HEAD_DIM=256)
+    assert wide and all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 for c in wide)
