@@ -167,6 +167,9 @@ class AlignArgs:
     """Learning rate of the copied projections q_proj, k_proj, v_proj (the reference: 1e-4)."""
     lr_o: float = 1e-4
     """Learning rate of o_proj (when it trains)."""
+    lr_dynamics: float | None = None
+    """Learning rate of the decay and write-gate parameters (A_log, dt_bias, a_proj, b_proj), which phase 1 sets
+    from the teacher's attention statistics: None = `lr`; 0 = frozen, so alignment keeps phase 1's dynamics."""
     weight_decay: float = 0.01
     """AdamW weight decay, on every trained parameter (as the reference)."""
     grad_clip: float = 1.0
@@ -198,6 +201,8 @@ class AlignArgs:
                 raise ValueError(f"align option {name}={getattr(self, name)} must be >= 0")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"align option seq_len={self.seq_len} must be >= 1 or None")
+        if self.lr_dynamics is not None and self.lr_dynamics < 0:
+            raise ValueError(f"align option lr_dynamics={self.lr_dynamics} must be >= 0 or None")
 
 
 @dataclass
