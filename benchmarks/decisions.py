@@ -65,6 +65,17 @@ VARIANTS = [
     ("taylor, lr_dynamics 1e-2", "taylor", {}, {}, {"lr_dynamics": 1e-2}),
     ("copy, lr_dynamics 3e-2", "copy", {}, {}, {"lr_dynamics": 3e-2}),
     ("taylor, lr_dynamics 3e-2", "taylor", {}, {}, {"lr_dynamics": 3e-2}),
+    # phase 1 also sets the keys' directions: the teacher's RoPE averaged over where each head looks (alignment moves
+    # q/k slowly, at lr_qkv, so what phase 1 puts there may last)
+    ("taylor, qk_rope mean", "taylor", {"qk_rope": "mean"}, {}, {}),
+    ("taylor, qk_rope mean + lr_dynamics 1e-2", "taylor", {"qk_rope": "mean"}, {}, {"lr_dynamics": 1e-2}),
+    # taylor's half-lives (d_h: 10-140 tokens) are far longer than copy's library defaults (mostly 2-20), and frozen,
+    # copy's did better (20.18 vs 21.90): shorter calibrated memory
+    ("taylor, half-life 0.25 d_h", "taylor", {"half_life_scale": 0.25}, {}, {}),
+    ("taylor, half-life 0.25 d_h + lr_dynamics 1e-2", "taylor", {"half_life_scale": 0.25}, {}, {"lr_dynamics": 1e-2}),
+    # "a third of the steps": taylor at 33 steps against copy at 100 with the same learning rates
+    ("taylor, lr_dynamics 1e-2, 33 steps", "taylor", {}, {}, {"lr_dynamics": 1e-2, "steps": 33}),
+    ("taylor, lr_dynamics 3e-2, 33 steps", "taylor", {}, {}, {"lr_dynamics": 3e-2, "steps": 33}),
 ]
 
 # Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/
