@@ -1,5 +1,6 @@
 """METHOD.md section 7 decisions, measured: held-out perplexity of the `taylor` init for one option changed at a
-time (phase 1 alone, and after `--steps` alignment steps), on the uniform policy, against copy (+ alignment).
+time (phase 1 alone, and after `--steps` alignment steps), on one layer policy (`--policy`, uniform by default),
+against copy (+ alignment).
 
 One teacher pass serves every variant. Prints JSON + a markdown table.
 
@@ -54,7 +55,33 @@ VARIANTS = [
     ("taylor, align lr 2e-3 + lr_qkv 3e-4", "taylor", {}, {}, {"lr": 2e-3, "lr_qkv": 3e-4}),
     ("taylor, align lr 4e-3", "taylor", {}, {}, {"lr": 4e-3}),
     ("copy, align lr 2e-3 + lr_qkv 3e-4", "copy", {}, {}, {"lr": 2e-3, "lr_qkv": 3e-4}),
+    # phase 2 keeps (or moves faster/slower) phase 1's decay and write gate (A_log, dt_bias, a_proj, b_proj): does
+    # copy's library-default dynamics then stay behind taylor's calibrated ones? Each with its copy baseline.
+    ("copy, dynamics frozen", "copy", {}, {}, {"lr_dynamics": 0.0}),
+    ("taylor, dynamics frozen", "taylor", {}, {}, {"lr_dynamics": 0.0}),
+    ("copy, lr_dynamics 2e-4", "copy", {}, {}, {"lr_dynamics": 2e-4}),
+    ("taylor, lr_dynamics 2e-4", "taylor", {}, {}, {"lr_dynamics": 2e-4}),
+    ("copy, lr_dynamics 1e-2", "copy", {}, {}, {"lr_dynamics": 1e-2}),
+    ("taylor, lr_dynamics 1e-2", "taylor", {}, {}, {"lr_dynamics": 1e-2}),
+    ("copy, lr_dynamics 3e-2", "copy", {}, {}, {"lr_dynamics": 3e-2}),
+    ("taylor, lr_dynamics 3e-2", "taylor", {}, {}, {"lr_dynamics": 3e-2}),
+    # phase 1 also sets the keys' directions: the teacher's RoPE averaged over where each head looks (alignment moves
+    # q/k slowly, at lr_qkv, so what phase 1 puts there may last)
+    ("taylor, qk_rope mean", "taylor", {"qk_rope": "mean"}, {}, {}),
+    ("taylor, qk_rope mean + lr_dynamics 1e-2", "taylor", {"qk_rope": "mean"}, {}, {"lr_dynamics": 1e-2}),
+    # taylor's half-lives (d_h: 10-140 tokens) are far longer than copy's library defaults (mostly 2-20), and frozen,
+    # copy's did better (20.18 vs 21.90): shorter calibrated memory
+    ("taylor, half-life 0.25 d_h", "taylor", {"half_life_scale": 0.25}, {}, {}),
+    ("taylor, half-life 0.25 d_h + lr_dynamics 1e-2", "taylor", {"half_life_scale": 0.25}, {}, {"lr_dynamics": 1e-2}),
+    # "a third of the steps": taylor at 33 steps against copy at 100 with the same learning rates
+    ("taylor, lr_dynamics 1e-2, 33 steps", "taylor", {}, {}, {"lr_dynamics": 1e-2, "steps": 33}),
+    ("taylor, lr_dynamics 3e-2, 33 steps", "taylor", {}, {}, {"lr_dynamics": 3e-2, "steps": 33}),
 ]
+
+# Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/
+# ablation_smollm2_cpu_quick.md): re-scoring greedy needs a conversion of every layer, and fixed lists keep the
+# comparison with that file exact.
+ABLATION_KEPT = {"bypass": "layers=0,1,2,16,19,20,23,24", "greedy": "layers=1,2,3,20,21,24,27,28"}
 
 
 def main():
@@ -63,6 +90,8 @@ def main():
     ap.add_argument("--profile", default="quick", choices=sorted(PROFILES))
     ap.add_argument("--steps", type=int, default=0, help="alignment steps after phase 1 (0: phase 1 only)")
     ap.add_argument("--only", default=None, help="semicolon-separated variant names (default: all)")
+    ap.add_argument("--policy", default="uniform",
+                    help="uniform, bypass / greedy (the CPU quick ablation's kept layers), or layers=0,4,8")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -73,7 +102,8 @@ def main():
     model = teacher.model
     n = model.config.num_hidden_layers
     splits = load_splits(CorpusSpec(), teacher.tokenizer, prof["seq_len"], prof["calib_seqs"], prof["eval_seqs"])
-    converted = gdn_layers(kept_layers("uniform", n, 4), n)
+    kept = kept_layers(ABLATION_KEPT.get(a.policy, a.policy), n, 4)
+    converted = gdn_layers(kept, n)
     stats = collect_stats(model, splits.calib, store_layers=converted, store_device=device)
     targets = attention_targets(model, stats, converted)
     teacher_ppl = perplexity(model, splits.heldout)["ppl"]
@@ -97,10 +127,11 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"teacher": a.teacher, "teacher_ppl": teacher_ppl, "profile": a.profile, "steps": a.steps,
+              "policy": a.policy, "kept_layers": kept,
               "eval_tokens": int(splits.heldout[:, 1:].numel()), "backend": backend, "device": str(device),
               "rows": rows, "command": "python benchmarks/decisions.py " + " ".join(
                   f"--{k} {shlex.quote(str(v))}" for k, v in vars(a).items() if k != "out" and v is not None)}
-    lines = [f"Teacher `{a.teacher}` PPL {teacher_ppl:.3f}; uniform policy; {a.profile} profile; "
+    lines = [f"Teacher `{a.teacher}` PPL {teacher_ppl:.3f}; {a.policy} policy (kept {kept}); {a.profile} profile; "
              f"{result['eval_tokens']} held-out tokens.", "",
              "| variant | phase 1 PPL |" + (f" + {a.steps} align steps PPL | rel-MSE after |" if a.steps else ""),
              "|---|---|" + ("---|---|" if a.steps else "")]

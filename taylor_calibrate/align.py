@@ -19,7 +19,8 @@ layers share is which rows a step uses. `layer_group` bounds how many layers sha
 Choices (the reference's are in METHOD.md section 3a):
 - Parameter groups: new recurrent parameters (a_proj, b_proj, g_proj, A_log, dt_bias, short convs) at `lr`, the copied
   q/k/v projections (weights and biases) at `lr_qkv`; o_proj (`lr_o`) and o_norm (`lr`) only when asked - the
-  reference freezes both. Weight decay applies to every trained parameter, as in the reference.
+  reference freezes both. The decay and write-gate parameters (A_log, dt_bias, a_proj, b_proj) can take their own
+  `lr_dynamics` (0 = frozen at phase 1's values). Weight decay applies to every trained parameter, as in the reference.
 - Best state: every `log_every` steps and at the end, rel-MSE is measured on fixed evaluation rows (the first
   `eval_rows` stored rows, full length, no grad) and the parameters with the lowest value so far are kept; the
   initial state is the first candidate, so alignment never leaves a layer worse on those rows than it found it.
@@ -56,7 +57,7 @@ log = logging.getLogger("taylor_calibrate")
 # Which optimizer group each parameter of a GatedDeltaNet belongs to (by its top-level module/parameter name).
 _GROUP_OF = {
     "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
-    "a_proj": "new", "b_proj": "new", "g_proj": "new", "A_log": "new", "dt_bias": "new",
+    "a_proj": "dynamics", "b_proj": "dynamics", "A_log": "dynamics", "dt_bias": "dynamics", "g_proj": "new",
     "q_conv1d": "new", "k_conv1d": "new", "v_conv1d": "new",
     "o_norm": "o_norm", "o_proj": "o_proj",
 }
@@ -88,8 +89,11 @@ def _group_of(name: str) -> str:
 
 
 def trained_parameters(mixer: GatedDeltaNet, args: AlignArgs) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
-    """Trained parameters of one mixer by group ("new", "qkv", "o_proj", "o_norm"); frozen groups are left out."""
+    """Trained parameters of one mixer by group ("dynamics", "new", "qkv", "o_proj", "o_norm"); frozen groups are
+    left out."""
     groups: dict[str, list] = {"new": [], "qkv": []}
+    if args.lr_dynamics != 0:
+        groups["dynamics"] = []
     if args.train_o_proj:
         groups["o_proj"] = []
     if args.train_o_norm:
@@ -327,7 +331,8 @@ class _Training:
         self.group = len(states) if args.layer_group is None else args.layer_group
         trained = [s for s in states if s.params]
         self.device = trained[0].device if trained else states[0].device
-        lrs = {"new": args.lr, "qkv": args.lr_qkv, "o_proj": args.lr_o, "o_norm": args.lr}
+        lrs = {"new": args.lr, "qkv": args.lr_qkv, "o_proj": args.lr_o, "o_norm": args.lr,
+               "dynamics": args.lr if args.lr_dynamics is None else args.lr_dynamics}
         groups = {g: [p for s in trained for _, p in s.groups.get(g, [])] for g in lrs}
         groups = {g: ps for g, ps in groups.items() if ps}
         self.base_lrs = [lrs[g] for g in groups]

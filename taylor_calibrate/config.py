@@ -114,6 +114,9 @@ class CalibArgs:
 
     decay: bool = True
     """Set the decay from the mean attention distance d_h (half-life d_h tokens)."""
+    half_life_scale: float = 1.0
+    """taylor's decay half-life in units of d_h (1: memory halves after d_h tokens; ln 2 = 0.69 makes the decay
+    kernel's own mean distance gamma / (1 - gamma) about d_h; less: shorter memory than the teacher's mean reach)."""
     write_gate: bool = True
     """Set the write gate from the attention concentration c_h: beta*_h = beta_min + beta_span * c_h."""
     value_scale: bool = True
@@ -135,12 +138,20 @@ class CalibArgs:
     of o_proj from the student's head outputs to the teacher's attention output, on the calibration rows)."""
     ridge: float = 1e-3
     """Ridge strength of the lstsq readout (relative to the mean feature energy), shrinking toward W_O."""
+    qk_rope: str = "none"
+    """The teacher's RoPE in the copied keys (taylor only): "none" (W_K as is) or "mean" (each rotary pair of head h's
+    k_proj rows times the mean rotation E[exp(i theta Delta)] over distances Delta ~ geometric with mean d_h, so the
+    GDN's q.k is the teacher's RoPE score averaged over where the head looks; fast-rotating pairs fade out)."""
 
     def __post_init__(self):
         if self.sinks not in ("keep", "drop"):
             raise ValueError(f"calib option sinks={self.sinks!r} must be 'keep' or 'drop'")
         if self.concentration not in ("abs", "minmax"):
             raise ValueError(f"calib option concentration={self.concentration!r} must be 'abs' or 'minmax'")
+        if not self.half_life_scale > 0:
+            raise ValueError(f"calib option half_life_scale={self.half_life_scale} must be > 0")
+        if self.qk_rope not in ("none", "mean"):
+            raise ValueError(f"calib option qk_rope={self.qk_rope!r} must be 'none' or 'mean'")
         if self.readout not in ("scale", "lstsq"):
             raise ValueError(f"calib option readout={self.readout!r} must be 'scale' or 'lstsq'")
         if not (0 < self.beta_min and self.beta_min + self.beta_span < 1 and self.beta_span >= 0):
@@ -167,6 +178,9 @@ class AlignArgs:
     """Learning rate of the copied projections q_proj, k_proj, v_proj (the reference: 1e-4)."""
     lr_o: float = 1e-4
     """Learning rate of o_proj (when it trains)."""
+    lr_dynamics: float | None = None
+    """Learning rate of the decay and write-gate parameters (A_log, dt_bias, a_proj, b_proj), which phase 1 sets
+    from the teacher's attention statistics: None = `lr`; 0 = frozen, so alignment keeps phase 1's dynamics."""
     weight_decay: float = 0.01
     """AdamW weight decay, on every trained parameter (as the reference)."""
     grad_clip: float = 1.0
@@ -198,6 +212,8 @@ class AlignArgs:
                 raise ValueError(f"align option {name}={getattr(self, name)} must be >= 0")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"align option seq_len={self.seq_len} must be >= 1 or None")
+        if self.lr_dynamics is not None and self.lr_dynamics < 0:
+            raise ValueError(f"align option lr_dynamics={self.lr_dynamics} must be >= 0 or None")
 
 
 @dataclass

@@ -101,6 +101,33 @@ def test_train_o_proj_and_o_norm_switches(teacher_data):
     assert not torch.equal(mixers[1].get_parameter("q_proj.weight"), before["q_proj.weight"])
 
 
+DYNAMICS = ("A_log", "dt_bias", "a_proj.weight", "b_proj.weight")
+
+
+def test_lr_dynamics_freezes_or_separates_the_decay_and_write_gate(teacher_data):
+    """lr_dynamics 0 keeps phase 1's decay and write gate through alignment while the rest trains; a separate value
+    puts them in an optimizer group of their own."""
+    teacher, inputs, targets = teacher_data
+    mixers = fresh_mixers(teacher)
+    before = {n: p.detach().clone() for n, p in mixers[1].named_parameters()}
+    report = align_layers(mixers, inputs, targets, AlignArgs(steps=3, batch_size=4, log_every=3, lr_dynamics=0.0))
+    for n in DYNAMICS:
+        assert torch.equal(mixers[1].get_parameter(n), before[n]), n
+    for n in ("q_proj.weight", "g_proj.weight", "o_proj.weight"):
+        assert not torch.equal(mixers[1].get_parameter(n), before[n]), n
+    full = align_layers(fresh_mixers(teacher), inputs, targets, AlignArgs(steps=3, batch_size=4, log_every=3))
+    assert report["layers"][1]["trained_params"] == full["layers"][1]["trained_params"] - sum(
+        before[n].numel() for n in DYNAMICS)
+    moved = {}
+    for lr in (1e-4, 1e-2):
+        mixers = fresh_mixers(teacher)
+        align_layers(mixers, inputs, targets, AlignArgs(steps=3, batch_size=4, log_every=3, lr_dynamics=lr))
+        moved[lr] = (mixers[1].dt_bias - before["dt_bias"]).abs().max().item()
+    assert 0 < moved[1e-4] < moved[1e-2]
+    with pytest.raises(ValueError):
+        AlignArgs(lr_dynamics=-1.0)
+
+
 def test_nan_guard_restores_and_stops_the_layer(teacher_data, caplog):
     teacher, inputs, targets = teacher_data
     bad_row = N - 1  # not an evaluation row
