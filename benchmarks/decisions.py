@@ -65,10 +65,8 @@ VARIANTS = [
     ("taylor, lr_dynamics 1e-2", "taylor", {}, {}, {"lr_dynamics": 1e-2}),
     ("copy, lr_dynamics 3e-2", "copy", {}, {}, {"lr_dynamics": 3e-2}),
     ("taylor, lr_dynamics 3e-2", "taylor", {}, {}, {"lr_dynamics": 3e-2}),
-    # phase 1 also sets the keys' directions: the teacher's RoPE averaged over where each head looks (alignment moves
-    # q/k slowly, at lr_qkv, so what phase 1 puts there may last)
-    ("taylor, qk_rope mean", "taylor", {"qk_rope": "mean"}, {}, {}),
-    ("taylor, qk_rope mean + lr_dynamics 1e-2", "taylor", {"qk_rope": "mean"}, {}, {"lr_dynamics": 1e-2}),
+    # (the rows "taylor, qk_rope mean" of decisions_cpu_quick_qkrope_align100.md ran with commit 90c2729's CalibArgs
+    # qk_rope option - phase 1 also setting the keys' directions from the teacher's RoPE - removed after it lost)
     # taylor's half-lives (d_h: 10-140 tokens) are far longer than copy's library defaults (mostly 2-20), and frozen,
     # copy's did better (20.18 vs 21.90): shorter calibrated memory
     ("taylor, half-life 0.25 d_h", "taylor", {"half_life_scale": 0.25}, {}, {}),

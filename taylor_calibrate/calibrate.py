@@ -43,36 +43,6 @@ def distance(st: LayerStats, args: CalibArgs, floored: bool = False) -> torch.Te
     return (st.distance_floored if floored else st.distance).clamp_min(0.5)
 
 
-def rope_inv_freq(teacher) -> torch.Tensor | None:
-    """The teacher's RoPE frequencies theta_j (rotary_dim / 2,), or None when it has no rotary embedding."""
-    rot = getattr(getattr(teacher, "model", teacher), "rotary_emb", None)
-    freq = getattr(rot, "inv_freq", None)
-    return None if freq is None else freq.detach().float()
-
-
-def mean_rotation(inv_freq: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """(H, F) complex E[exp(i theta_j Delta)], Delta ~ geometric on {0, 1, ...} with mean d_h: (1 - r) / (1 - r
-    exp(i theta_j)), r = d_h / (1 + d_h). ~1 for pairs that barely turn within d_h tokens, ~0 for fast ones."""
-    r = (d.double() / (1 + d.double()))[:, None]
-    return ((1 - r) / (1 - r * torch.exp(1j * inv_freq.double()[None, :]))).to(torch.complex64)
-
-
-@torch.no_grad()
-def fold_mean_rotation(mixer: GatedDeltaNet, m: torch.Tensor) -> None:
-    """k_proj rows (and bias) of rotary pair (j, j + R/2) of head h, as the complex key a + ib, times conj(m_hj):
-    then q.k = Re(q conj(k) m) = the teacher's RoPE score q.R(theta Delta)k averaged over Delta (HF rotate_half
-    layout: pair j is dims j and j + R/2 of the first R = 2F dims of each head)."""
-    H, D, F_ = mixer.num_heads, mixer.head_dim, m.shape[1]
-    mr, mi = m.real[:, :, None], m.imag[:, :, None]  # (H, F, 1)
-    for t in (mixer.k_proj.weight, mixer.k_proj.bias):
-        if t is None:
-            continue
-        w = t.view(H, D, -1).float()  # (H, D, fan_in or 1)
-        a, b = w[:, :F_].clone(), w[:, F_:2 * F_].clone()
-        w[:, :F_], w[:, F_:2 * F_] = mr * a + mi * b, mr * b - mi * a
-        t.copy_(w.view_as(t).to(t.dtype))
-
-
 def _readout_unit(mixer: GatedDeltaNet, x: torch.Tensor, norm: bool) -> torch.Tensor:
     """Student head outputs with a unit gate: the recurrence's readout (after o_norm when `norm`)."""
     o = mixer.readout(*mixer.features(x))
@@ -121,9 +91,9 @@ def _swish_inverse(a: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: torch.Tensor, method: str,
-                    args: CalibArgs, inv_freq: torch.Tensor | None = None) -> dict:
+                    args: CalibArgs) -> dict:
     """Calibrate one converted layer in place. x: (N, T, hidden) teacher inputs, y: (N, T, H*D) teacher head outputs
-    (both calibration rows, on the mixer's device); inv_freq: the teacher's RoPE frequencies (for qk_rope)."""
+    (both calibration rows, on the mixer's device)."""
     if method not in METHODS:
         raise ValueError(f"calibration method {method!r} is not one of {METHODS}")
     H, D = mixer.num_heads, mixer.head_dim
@@ -155,11 +125,6 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
         if method == "taylor":
             mixer.a_proj.weight.zero_()
         rep["half_life"] = d.tolist()
-
-    if method == "taylor" and args.qk_rope == "mean" and inv_freq is not None:
-        m = mean_rotation(inv_freq.to(p.device), distance(st, args).to(p.device))
-        fold_mean_rotation(mixer, m)
-        rep["rope_mean_abs"] = m.abs().mean(1).tolist()
 
     if args.write_gate:
         c = concentration(st, args).to(p.device)

@@ -138,10 +138,6 @@ class CalibArgs:
     of o_proj from the student's head outputs to the teacher's attention output, on the calibration rows)."""
     ridge: float = 1e-3
     """Ridge strength of the lstsq readout (relative to the mean feature energy), shrinking toward W_O."""
-    qk_rope: str = "none"
-    """The teacher's RoPE in the copied keys (taylor only): "none" (W_K as is) or "mean" (each rotary pair of head h's
-    k_proj rows times the mean rotation E[exp(i theta Delta)] over distances Delta ~ geometric with mean d_h, so the
-    GDN's q.k is the teacher's RoPE score averaged over where the head looks; fast-rotating pairs fade out)."""
 
     def __post_init__(self):
         if self.sinks not in ("keep", "drop"):
@@ -150,8 +146,6 @@ class CalibArgs:
             raise ValueError(f"calib option concentration={self.concentration!r} must be 'abs' or 'minmax'")
         if not self.half_life_scale > 0:
             raise ValueError(f"calib option half_life_scale={self.half_life_scale} must be > 0")
-        if self.qk_rope not in ("none", "mean"):
-            raise ValueError(f"calib option qk_rope={self.qk_rope!r} must be 'none' or 'mean'")
         if self.readout not in ("scale", "lstsq"):
             raise ValueError(f"calib option readout={self.readout!r} must be 'scale' or 'lstsq'")
         if not (0 < self.beta_min and self.beta_min + self.beta_span < 1 and self.beta_span >= 0):

@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from taylor_calibrate.align import align_layers
-from taylor_calibrate.calibrate import calibrate_layer, rope_inv_freq
+from taylor_calibrate.calibrate import calibrate_layer
 from taylor_calibrate.config import CalibArgs, ConvertArgs, EvalArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import agreement, import_lm_eval, lm_eval_tasks, perplexity
@@ -59,10 +59,9 @@ def calibrated_mixers(teacher, stats: TeacherStats | None, layers, init: str, ca
         m.backend = backend
     report = {}
     if init != "copy":
-        inv_freq = rope_inv_freq(teacher)
         for i, m in tqdm(mixers.items(), desc=f"phase 1 ({init})", leave=False):
             x, y = stats.inputs[i][:16].to(m.A_log.device), stats.head_outputs[i][:16].to(m.A_log.device)
-            report[i] = calibrate_layer(m, stats.layers[i], x, y, init, calib, inv_freq)
+            report[i] = calibrate_layer(m, stats.layers[i], x, y, init, calib)
     return mixers, report
 
 

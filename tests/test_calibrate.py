@@ -241,37 +241,6 @@ def test_taylor_value_scale_off_leaves_unit_amplitude(teacher):
         torch.testing.assert_close(_column_scale(mixer, model.model.layers[i].self_attn), torch.ones(H))
 
 
-def test_taylor_qk_rope_mean_is_the_expected_rope_score(teacher):
-    """qk_rope="mean": the calibrated k_proj gives q.k = the teacher's RoPE score averaged over Delta ~ geometric
-    with mean d_h (summed here term by term through the teacher's own rotary code); q_proj is untouched."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    model, stats = teacher
-    plain, _ = _calibrated(model, stats)
-    mixers, report = _calibrated(model, stats, calib=CalibArgs(qk_rope="mean"))
-    rot = model.model.rotary_emb
-    x = stats.inputs[1][0, :3].double()  # (3, hidden): three tokens' inputs
-    for i, mixer in mixers.items():
-        attn = model.model.layers[i].self_attn
-        assert torch.equal(mixer.q_proj.weight, plain[i].q_proj.weight)
-        q = (x @ mixer.q_proj.weight.double().T).view(3, 1, H, D).transpose(1, 2)  # (3, H, 1, D)
-        k = (x @ plain[i].k_proj.weight.double().T).view(3, 1, H, D).transpose(1, 2)  # GQA already repeated
-        d = distance(stats.layers[i], CalibArgs()).double()
-        r = (d / (1 + d))[None, :]
-        expected = torch.zeros(3, H, dtype=torch.float64)
-        t = 3000
-        for delta in range(3000):
-            pos = torch.tensor([[t, t - delta]])
-            cos, sin = (c.double() for c in rot(q.float(), pos))
-            qr, _ = apply_rotary_pos_emb(q, q, cos[:, :1], sin[:, :1])
-            _, kr = apply_rotary_pos_emb(k, k, cos[:, 1:], sin[:, 1:])
-            expected += (1 - r) * r ** delta * (qr * kr).sum(-1)[..., 0]
-        k_folded = (x @ mixer.k_proj.weight.double().T).view(3, H, D)
-        torch.testing.assert_close((q[:, :, 0] * k_folded).sum(-1), expected, rtol=1e-4, atol=1e-4)
-        assert all(0 < a < 1 for a in report[i]["rope_mean_abs"])
-        assert not torch.equal(attn.k_proj.weight, mixer.k_proj.weight)
-
-
 def test_calibration_is_deterministic(teacher):
     model, stats = teacher
     a, _ = _calibrated(model, stats)
@@ -409,7 +378,6 @@ def test_zero_gate_zeroes_only_g_proj(teacher):
     ({"beta_min": 0.0}, "0 < beta_min and beta_min \\+ beta_span < 1"),
     ({"beta_min": 0.5, "beta_span": 0.5}, "beta_min \\+ beta_span < 1"),
     ({"beta_span": -0.1}, "beta_min"),
-    ({"qk_rope": "exact"}, "qk_rope='exact' must be 'none' or 'mean'"),
     ({"half_life_scale": 0.0}, "half_life_scale=0.0 must be > 0"),
 ])
 def test_calib_args_bad_options(kw, match):
