@@ -97,7 +97,7 @@ class _Collector:
         per_query = torch.stack([dist, torch.add(dist, st["diag"], alpha=0.5), ent,
                                  1 - ent * inv[0], dist0, ent0, 1 - ent0 * inv[1], st["sink"], head_sq])
         ok = ~torch.isnan(per_query)
-        sums = per_query.nan_to_num(0.0).sum((1, 3), dtype=torch.float64)
+        sums = torch.where(ok, per_query, 0.0).sum((1, 3), dtype=torch.float64)
         counts = ok.sum((1, 3), dtype=torch.float64)
         if idx in self.sums:
             self.sums[idx] += sums

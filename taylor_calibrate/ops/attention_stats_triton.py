@@ -145,7 +145,7 @@ def _attention_stats_kernel(
         m_i, l_i, a_i, d_i = _key_block(q, k_base, stride_kt, stride_kd, start_n, rows, cols0, dims, dim_ok,
                                         m_i, l_i, a_i, d_i, T, scale, softcap, window,
                                         False, HAS_SOFTCAP, HAS_WINDOW, IEEE)
-    for start_n in range(tl.maximum(start_m, lo), hi, BLOCK_N):  # the diagonal
+    for start_n in range(start_m, hi, BLOCK_N):  # the diagonal (lo <= start_m always)
         m_i, l_i, a_i, d_i = _key_block(q, k_base, stride_kt, stride_kd, start_n, rows, cols0, dims, dim_ok,
                                         m_i, l_i, a_i, d_i, T, scale, softcap, window,
                                         True, HAS_SOFTCAP, HAS_WINDOW, IEEE)
@@ -204,6 +204,7 @@ def _configs() -> list:
 
 
 def _prune(configs, named_args, **kwargs):
+    """The autotuner's early pruning: only tiles of at most 64 x 64 for head dims above 128."""
     wide = named_args["HEAD_DIM"] > 128 if "HEAD_DIM" in named_args else kwargs.get("HEAD_DIM", 0) > 128
     return [c for c in configs if not wide or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64] or configs[-1:]
 
