@@ -202,6 +202,18 @@ def counting_gdn_kernels():
         ops._IMPLS.update(saved)
 
 
+@contextlib.contextmanager
+def profiled(device: torch.device, rows: int = 30):
+    """torch.profiler around the block, then the top ops by CPU time and, on a GPU, by CUDA time."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        yield
+    for sort in ("cpu_time_total",) + (("cuda_time_total",) if device.type == "cuda" else ()):
+        print(prof.key_averages().table(sort_by=sort, row_limit=rows), flush=True)
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -385,12 +397,8 @@ def part_align(a, device, dtype, res, save):
     print("[align] " + json.dumps(row), flush=True)
     save()
     if a.align_profile:
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                        if device.type == "cuda" else [])
-        with torch.profiler.profile(activities=acts) as p:
+        with profiled(device):
             run(20)
-        for sort in ("cpu_time_total",) + (("cuda_time_total",) if device.type == "cuda" else ()):
-            print(p.key_averages().table(sort_by=sort, row_limit=30), flush=True)
     del model, stats, targets, inputs
     free(device)
 
@@ -445,12 +453,8 @@ def part_distill(a, device, dtype, res, save):
         print(f"[distill {'compiled' if compiled else 'eager'}] " + json.dumps(row), flush=True)
         save()
     if a.distill_profile:
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                        if device.type == "cuda" else [])
-        with torch.profiler.profile(activities=acts) as prof:
+        with profiled(device):
             run(modes[-1] == "compiled", 3, "distill 1.5b (profiled)")
-        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=40), flush=True)
     del teacher
     free(device)
 
