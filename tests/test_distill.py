@@ -174,12 +174,17 @@ def test_not_a_hybrid_and_corrupt_checkpoint(assets, capsys, tmp_path):
 
 def test_compiled_layers_follow_the_eager_run(assets):
     """--train.compile compiles every decoder layer (torch.compile, inductor on this CPU): same losses as eager."""
+    from torch._dynamo.utils import counters
+
     root, _, corpus = assets
-    losses = {}
+    losses, graphs = {}, {}
     for flag in ("false", "true"):
         out = root / f"compile_{flag}"
+        counters.clear()
         with one_thread():
             assert main(_argv(root, corpus, out, 3, "--train.compile", flag)) == 0
         losses[flag] = [r["loss"] for r in _records(out) if "kl" in r]
+        graphs[flag] = counters["stats"]["unique_graphs"]
+    assert graphs["false"] == 0 and graphs["true"] > 0, graphs  # the flag really compiles (and off, nothing)
     assert len(losses["true"]) == 3
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-3, abs=1e-5)
