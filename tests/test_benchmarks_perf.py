@@ -3,6 +3,7 @@ every measured number is finite, and the markdown twin is written."""
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "perf.py"
 def _load():
     spec = importlib.util.spec_from_file_location("perf_benchmark", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(mod)
     return mod
 
@@ -57,7 +59,15 @@ def test_tiny_run_writes_complete_finite_json(tmp_path):
         assert row["teacher"]["cache_bytes_per_seq"] == row["teacher_cache_bytes_analytic"]
         assert 0 < row["cache_bytes_ratio"] < 1
         assert set(row["hybrid"]["gdn_kernel_calls"]) == {"torch/chunk", "torch/recurrent"}  # decode: recurrent form
+    # graph-captured decode (no graph on a CPU): the static decoder reproduces the eager decode's logits, and the grid
+    # cells (one of them prefilled in two chunks) are all measured
+    de = res["decode"]
+    assert set(de["logits_rel_err"]) == {"teacher", "hybrid"}
+    assert all(e["static"] < 1e-4 for e in de["logits_rel_err"].values()), de["logits_rel_err"]
+    assert set(de["rows"]) == {"32x1", "32x3"} and set(res["decode_speedup_graph"]["32"]) == {"1", "3"}
+    for row in de["rows"].values():
+        assert row["hybrid"]["min_bytes_per_step"] > 0 and row["roofline_speedup"] > 0
     stages = res["scale"]["8b"]["stage_s"]
     assert {"stats_s", "phase1_s", "phase2_s", "hybrid_eval_s"} <= set(stages)
     md = out.with_suffix(".md").read_text()
-    assert "## Inference" in md and "## Distillation" in md and "## Default conversion of smollm2-135m" in md
+    assert "## Inference" in md and "## Decode, graph-captured" in md and "## Distillation" in md and "## Default conversion of smollm2-135m" in md
