@@ -74,6 +74,13 @@ VARIANTS = [
     # "a third of the steps": taylor at 33 steps against copy at 100 with the same learning rates
     ("taylor, lr_dynamics 1e-2, 33 steps", "taylor", {}, {}, {"lr_dynamics": 1e-2, "steps": 33}),
     ("taylor, lr_dynamics 3e-2, 33 steps", "taylor", {}, {}, {"lr_dynamics": 3e-2, "steps": 33}),
+    # the same at the GPU full profile's budget (300 steps): taylor at 100
+    ("taylor, lr_dynamics 1e-2, 100 steps", "taylor", {}, {}, {"lr_dynamics": 1e-2, "steps": 100}),
+    # the closed-form readout starts far ahead (GPU full: 25.8 vs 3,845) but o_proj then barely moves at lr_o 1e-4;
+    # let it follow the features as they change
+    ("readout: lstsq, lr_dynamics 1e-2, lr_o 1e-3", "taylor", {"readout": "lstsq"}, {},
+     {"lr_dynamics": 1e-2, "lr_o": 1e-3}),
+    ("copy, lr_dynamics 1e-2, lr_o 1e-3", "copy", {}, {}, {"lr_dynamics": 1e-2, "lr_o": 1e-3}),
 ]
 
 # Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/
