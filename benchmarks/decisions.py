@@ -81,6 +81,10 @@ VARIANTS = [
     ("readout: lstsq, lr_dynamics 1e-2, lr_o 1e-3", "taylor", {"readout": "lstsq"}, {},
      {"lr_dynamics": 1e-2, "lr_o": 1e-3}),
     ("copy, lr_dynamics 1e-2, lr_o 1e-3", "copy", {}, {}, {"lr_dynamics": 1e-2, "lr_o": 1e-3}),
+    # o_proj's learning rate (GPU full, copy with lr_dynamics 1e-2: lr_o 1e-3 5.57 / 5.99 / 7.78 vs 1e-4 5.85 / 6.01 / 8.33)
+    ("copy, lr_o 3e-3", "copy", {}, {}, {"lr_o": 3e-3}),
+    ("taylor, lr_o 3e-3", "taylor", {}, {}, {"lr_o": 3e-3}),
+    ("taylor, lr_o 1e-3, lr_dynamics 1e-2", "taylor", {}, {}, {"lr_o": 1e-3, "lr_dynamics": 1e-2}),
 ]
 
 # Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/
