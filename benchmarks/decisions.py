@@ -85,6 +85,9 @@ VARIANTS = [
     ("copy, lr_o 3e-3", "copy", {}, {}, {"lr_o": 3e-3}),
     ("taylor, lr_o 3e-3", "taylor", {}, {}, {"lr_o": 3e-3}),
     ("taylor, lr_o 1e-3, lr_dynamics 1e-2", "taylor", {}, {}, {"lr_o": 1e-3, "lr_dynamics": 1e-2}),
+    # around the new defaults (lr_o 1e-3, lr_dynamics 1e-2)
+    ("copy, lr_o 2e-3", "copy", {}, {}, {"lr_o": 2e-3}),
+    ("taylor, lr_o 2e-3", "taylor", {}, {}, {"lr_o": 2e-3}),
 ]
 
 # Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/

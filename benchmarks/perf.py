@@ -733,12 +733,23 @@ def part_decode(a, device, dtype, res, save):
     teacher, hybrid, gdn_backend, converted = inference_models(a, device, dtype)
     cfg = teacher.config
     models = {"teacher": teacher, "hybrid": hybrid}
-    detail = res.setdefault("decode", {})
+    key = "decode" if a.decode_sdpa == "auto" else f"decode_{a.decode_sdpa}"
+    detail = res.setdefault(key, {})
     detail.update(shape="qwen2.5-1.5b" + (" (tiny)" if a.tiny else ""), kept_layers=cfg.num_hidden_layers - len(converted),
                   gdn_layers=len(converted), gdn_backend=gdn_backend, teacher_attention="sdpa (explicit mask)",
                   graph=device.type == "cuda", steps=a.graph_steps, prefill_chunk=a.prefill_chunk, rows={})
-    detail["logits_rel_err"] = {name: static_decode_error(m, 64 if a.tiny else 1024, 8, cfg.vocab_size, device)
-                                for name, m in models.items()}
+    detail["sdpa_backend"] = a.decode_sdpa
+    if a.decode_sdpa != "auto":  # every SDPA call of this part (the graph capture included) on that kernel only
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(sdpa_kernel([getattr(SDPBackend, a.decode_sdpa.upper())]))
+    detail["logits_rel_err"] = {}
+    for name, m in models.items():
+        try:
+            detail["logits_rel_err"][name] = static_decode_error(m, 64 if a.tiny else 1024, 8, cfg.vocab_size, device)
+        except RuntimeError as e:  # e.g. a restricted SDPA kernel that does not take this mask
+            detail["logits_rel_err"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
     print(f"[decode] static / graph decode vs eager: {json.dumps(detail['logits_rel_err'])}", flush=True)
     save()
     for cell in a.decode_grid.split(","):
@@ -747,16 +758,19 @@ def part_decode(a, device, dtype, res, save):
         for name, model in models.items():
             try:
                 rows[name] = graph_decode_row(model, B, ctx, a.graph_steps, cfg.vocab_size, device, a.prefill_chunk)
-            except torch.OutOfMemoryError as e:
-                rows[name] = {"error": f"OOM: {str(e).splitlines()[0]}"}
+            except RuntimeError as e:  # out of memory, or a restricted SDPA kernel that does not take this mask
+                rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
             free(device)
         t, h = rows["teacher"], rows["hybrid"]
         rows["decode_speedup"] = ratio(t.get("decode_s"), h.get("decode_s"))
         rows["roofline_speedup"] = ratio(t.get("min_bytes_per_step"), h.get("min_bytes_per_step"))
         detail["rows"][cell] = rows
-        res.setdefault("decode_speedup_graph", {}).setdefault(str(ctx), {})[str(B)] = rows["decode_speedup"]
+        if key == "decode":
+            res.setdefault("decode_speedup_graph", {}).setdefault(str(ctx), {})[str(B)] = rows["decode_speedup"]
         print(f"[decode] {cell}: " + json.dumps(rows), flush=True)
         save()
+    if a.decode_sdpa != "auto":
+        stack.close()
     del models, teacher, hybrid
     free(device)
 
@@ -851,20 +865,21 @@ def markdown(res: dict) -> str:
                 f"{fmt(mb(h.get('cache_bytes_per_seq')), ',.1f')} | {fmt(r['cache_bytes_ratio'], '.3f')} |"
                 + "".join(f" {n}: {x['error']}" for n, x in (("teacher", t), ("hybrid", h)) if "error" in x))
         lines.append("")
-    de = res.get("decode")
-    if de:
+    for key in sorted(k for k in res if k.startswith("decode") and isinstance(res[k], dict) and "rows" in res[k]):
+        de = res[key]
         err = de.get("logits_rel_err", {})
         lines += [f"## Decode, graph-captured ({de['shape']}: {de['kept_layers']} attention + {de['gdn_layers']} GDN "
-                  f"layers, GDN backend `{de['gdn_backend']}`, StaticCache, one step per CUDA graph replay: "
-                  f"{de['graph']}, {de['steps']} steps)", "",
+                  f"layers, GDN backend `{de['gdn_backend']}`, SDPA kernel `{de.get('sdpa_backend', 'auto')}`, "
+                  f"StaticCache, one step per CUDA graph replay: {de['graph']}, {de['steps']} steps)", "",
                   "Logits vs the eager DynamicCache decode (max abs diff / max abs logit): "
-                  + "; ".join(f"{n} {', '.join(f'{k} {v:.1e}' for k, v in e.items())}" for n, e in err.items()), "",
+                  + "; ".join(f"{n} {', '.join(f'{k} {v:.1e}' if isinstance(v, float) else f'{k} {v}' for k, v in e.items())}"
+                              for n, e in err.items()), "",
                   "| context x batch | ms/step teacher / hybrid | decode tok/s teacher / hybrid | speedup | "
                   "roofline speedup (min bytes moved) | achieved GB/s teacher / hybrid |", "|---|---|---|---|---|---|"]
-        for key, r in de["rows"].items():
+        for cell, r in de["rows"].items():
             t, h = r["teacher"], r["hybrid"]
             lines.append(
-                f"| {key} | {fmt(t.get('decode_ms_per_step'))} / {fmt(h.get('decode_ms_per_step'))} | "
+                f"| {cell} | {fmt(t.get('decode_ms_per_step'))} / {fmt(h.get('decode_ms_per_step'))} | "
                 f"{fmt(t.get('decode_tok_s'), ',.0f')} / {fmt(h.get('decode_tok_s'), ',.0f')} | "
                 f"{fmt(r['decode_speedup'])} | {fmt(r['roofline_speedup'])} | {fmt(t.get('achieved_gb_s'), ',.0f')} / "
                 f"{fmt(h.get('achieved_gb_s'), ',.0f')} |"
@@ -906,6 +921,8 @@ def main(argv=None):
     ap.add_argument("--distill-modes", default="eager",
                     help="distill part: comma list of eager, compiled (--train.compile true, the CUDA default; the "
                          "last one listed gives the headline figure)")
+    ap.add_argument("--decode-sdpa", default="auto", choices=("auto", "efficient_attention", "cudnn_attention", "math"),
+                    help="decode part: restrict SDPA to one kernel (auto: PyTorch's choice for a masked single query)")
     ap.add_argument("--align-profile", action="store_true", help="align part: print a torch.profiler table")
     ap.add_argument("--distill-profile", action="store_true", help="distill part: print a torch.profiler table")
     ap.add_argument("--scale-align-steps", type=int, default=None,
