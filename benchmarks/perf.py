@@ -181,14 +181,17 @@ def tensor_bytes(x) -> int:
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
 
+def kv_bytes(cache) -> int:
+    """Bytes of the keys and values of a transformers cache's attention layers."""
+    return sum(tensor_bytes(getattr(layer, "keys", None)) + tensor_bytes(getattr(layer, "values", None))
+               for layer in cache.layers)
+
+
 def cache_bytes(cache) -> int:
     """Bytes held by a transformers cache: keys/values of attention layers, recurrent and conv states of GDN layers."""
-    total = 0
-    for layer in cache.layers:
-        total += tensor_bytes(getattr(layer, "keys", None)) + tensor_bytes(getattr(layer, "values", None))
-        for states in ("recurrent_states", "conv_states"):
-            total += sum(tensor_bytes(x) for x in (getattr(layer, states, None) or {}).values())
-    return total
+    return kv_bytes(cache) + sum(tensor_bytes(x) for layer in cache.layers
+                                 for states in ("recurrent_states", "conv_states")
+                                 for x in (getattr(layer, states, None) or {}).values())
 
 
 @contextlib.contextmanager
@@ -616,7 +619,7 @@ def static_decoder(model, cache, tok, ctx: int, device, graph: bool) -> StaticDe
     allocator in the timed loop, for teacher and hybrid alike. The mask is the explicit 4-D one (keys up to the
     position), which transformers hands to SDPA as it is. Capturing runs GRAPH_WARMUP untimed steps first."""
     B = tok.shape[0]
-    max_len = next(layer.max_cache_len for layer in cache.layers if hasattr(layer, "max_cache_len"))
+    max_len = static_max_len(cache)
     keys = torch.arange(max_len, device=device)
     dec = StaticDecoder(step=None, tok=tok.clone(), pos=torch.full((1,), ctx, device=device, dtype=torch.long),
                         logits=None)
@@ -650,14 +653,14 @@ def static_decoder(model, cache, tok, ctx: int, device, graph: bool) -> StaticDe
 GRAPH_WARMUP = 3
 
 
+def static_max_len(cache) -> int | None:
+    """The KV buffer length of a StaticCache (None when it has no attention layer)."""
+    return next((layer.max_cache_len for layer in cache.layers if hasattr(layer, "max_cache_len")), None)
+
+
 def static_len(ctx: int, steps: int) -> int:
     """Static KV length for ctx + steps (+ the capture's warm-up) tokens, a multiple of 64 (SDPA mask alignment)."""
     return -(-(ctx + steps + GRAPH_WARMUP + 1) // 64) * 64
-
-
-def kv_bytes(cache) -> int:
-    return sum(tensor_bytes(getattr(layer, "keys", None)) + tensor_bytes(getattr(layer, "values", None))
-               for layer in cache.layers)
 
 
 def step_bytes(model, cache, ctx: int) -> int:
@@ -666,8 +669,7 @@ def step_bytes(model, cache, ctx: int) -> int:
     roofline is this / bandwidth."""
     weights = sum(tensor_bytes(p) for p in {id(p): p for p in model.parameters()}.values())
     kv = kv_bytes(cache)
-    max_len = next((layer.max_cache_len for layer in cache.layers if hasattr(layer, "max_cache_len")), None)
-    kv_used = kv * ctx // max_len if max_len else 0
+    kv_used = kv * ctx // static_max_len(cache) if kv else 0
     return weights + kv_used + 2 * (cache_bytes(cache) - kv)
 
 
@@ -737,17 +739,30 @@ def part_decode(a, device, dtype, res, save):
     detail = res.setdefault(key, {})
     detail.update(shape="qwen2.5-1.5b" + (" (tiny)" if a.tiny else ""), kept_layers=cfg.num_hidden_layers - len(converted),
                   gdn_layers=len(converted), gdn_backend=gdn_backend, teacher_attention="sdpa (explicit mask)",
-                  graph=device.type == "cuda", steps=a.graph_steps, prefill_chunk=a.prefill_chunk, rows={})
-    detail["sdpa_backend"] = a.decode_sdpa
-    if a.decode_sdpa != "auto":  # every SDPA call of this part (the graph capture included) on that kernel only
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+                  graph=device.type == "cuda", steps=a.graph_steps, prefill_chunk=a.prefill_chunk,
+                  sdpa_backend=a.decode_sdpa, rows={})
+    with sdpa_restricted(a.decode_sdpa):
+        decode_rows(a, device, res, save, models, detail, key)
+    del models, teacher, hybrid
+    free(device)
 
-        stack = contextlib.ExitStack()
-        stack.enter_context(sdpa_kernel([getattr(SDPBackend, a.decode_sdpa.upper())]))
+
+def sdpa_restricted(kernel: str):
+    """Every SDPA call in the block (CUDA graph captures included) on that one kernel; "auto": PyTorch's choice."""
+    if kernel == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, kernel.upper())])
+
+
+def decode_rows(a, device, res, save, models, detail, key):
+    """The logits check, then one row per --decode-grid cell into `detail` (saved after each)."""
+    vocab = models["teacher"].config.vocab_size
     detail["logits_rel_err"] = {}
     for name, m in models.items():
         try:
-            detail["logits_rel_err"][name] = static_decode_error(m, 64 if a.tiny else 1024, 8, cfg.vocab_size, device)
+            detail["logits_rel_err"][name] = static_decode_error(m, 64 if a.tiny else 1024, 8, vocab, device)
         except RuntimeError as e:  # e.g. a restricted SDPA kernel that does not take this mask
             detail["logits_rel_err"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
     print(f"[decode] static / graph decode vs eager: {json.dumps(detail['logits_rel_err'])}", flush=True)
@@ -757,7 +772,7 @@ def part_decode(a, device, dtype, res, save):
         rows = {}
         for name, model in models.items():
             try:
-                rows[name] = graph_decode_row(model, B, ctx, a.graph_steps, cfg.vocab_size, device, a.prefill_chunk)
+                rows[name] = graph_decode_row(model, B, ctx, a.graph_steps, vocab, device, a.prefill_chunk)
             except RuntimeError as e:  # out of memory, or a restricted SDPA kernel that does not take this mask
                 rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
             free(device)
@@ -769,10 +784,6 @@ def part_decode(a, device, dtype, res, save):
             res.setdefault("decode_speedup_graph", {}).setdefault(str(ctx), {})[str(B)] = rows["decode_speedup"]
         print(f"[decode] {cell}: " + json.dumps(rows), flush=True)
         save()
-    if a.decode_sdpa != "auto":
-        stack.close()
-    del models, teacher, hybrid
-    free(device)
 
 
 # ----------------------------------------------------------------------------- report
@@ -983,8 +994,8 @@ def main(argv=None):
         res.setdefault("commands", {})[part] = res["command"]  # parts may come from separate runs into one file
         save()
         free(device)
-    print(json.dumps({k: v for k, v in res.items() if k not in ("stats", "scale", "inference", "convert", "distill", "decode")},
-                     indent=2))
+    detail_keys = ("stats", "scale", "inference", "convert", "convert_earlier", "distill", "distill_runs")
+    print(json.dumps({k: v for k, v in res.items() if k not in detail_keys and not k.startswith("decode")}, indent=2))
     print("\n" + markdown(res))
     return res
 
