@@ -793,6 +793,11 @@ def fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
+def row_errors(teacher_row: dict, hybrid_row: dict) -> str:
+    """A table row's trailing note: the error a model's measurement ended in (out of memory, ...), if any."""
+    return "".join(f" {n}: {x['error']}" for n, x in (("teacher", teacher_row), ("hybrid", hybrid_row)) if "error" in x)
+
+
 def markdown(res: dict) -> str:
     env = res.get("env", {})
     lines = [f"# taylor-calibrate performance ({env.get('device', '?')})", "",
@@ -874,7 +879,7 @@ def markdown(res: dict) -> str:
                 f"{fmt(r['prefill_speedup'])} | {fmt(t.get('decode_tok_s'), ',.1f')} / {fmt(h.get('decode_tok_s'), ',.1f')}"
                 f" | {fmt(r['decode_speedup'])} | {fmt(mb(t.get('cache_bytes_per_seq')), ',.1f')} / "
                 f"{fmt(mb(h.get('cache_bytes_per_seq')), ',.1f')} | {fmt(r['cache_bytes_ratio'], '.3f')} |"
-                + "".join(f" {n}: {x['error']}" for n, x in (("teacher", t), ("hybrid", h)) if "error" in x))
+                + row_errors(t, h))
         lines.append("")
     for key in sorted(k for k in res if k.startswith("decode") and isinstance(res[k], dict) and "rows" in res[k]):
         de = res[key]
@@ -894,7 +899,7 @@ def markdown(res: dict) -> str:
                 f"{fmt(t.get('decode_tok_s'), ',.0f')} / {fmt(h.get('decode_tok_s'), ',.0f')} | "
                 f"{fmt(r['decode_speedup'])} | {fmt(r['roofline_speedup'])} | {fmt(t.get('achieved_gb_s'), ',.0f')} / "
                 f"{fmt(h.get('achieved_gb_s'), ',.0f')} |"
-                + "".join(f" {n}: {x['error']}" for n, x in (("teacher", t), ("hybrid", h)) if "error" in x))
+                + row_errors(t, h))
         lines += ["", "Roofline speedup: the teacher's minimum bytes per step (weights + KV at the context) over the "
                   "hybrid's (weights + KV of the kept layers + GDN states read and written): the ratio a "
                   "bandwidth-bound decoder approaches.", ""]
