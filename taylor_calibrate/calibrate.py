@@ -186,8 +186,9 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
 
 def _fit_o_proj(mixer: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, ridge: float) -> float:
     """Closed-form o_proj: ridge least squares from the student's gated head outputs to the teacher's attention
-    output, shrunk toward the current o_proj. The per-head sigma_h is its diagonal special case; o_proj is frozen
-    in phase 2, so what this fixes stays fixed. Returns the fit's relative MSE on the calibration rows."""
+    output, shrunk toward the current o_proj. The per-head sigma_h is its diagonal special case. Phase 2 trains
+    o_proj slowly (lr_o), so the fit to phase 1's features mostly stays: a far better start that ends worse
+    (docs/decisions.md, "readout"). Returns the fit's relative MSE on the calibration rows."""
     feats, tgt = [], []
     for i in range(x.shape[0]):  # one row at a time bounds the memory of the student forward
         xi = x[i:i + 1]
