@@ -16,6 +16,10 @@ import torch
 from tqdm.auto import tqdm
 
 SCORED = ("bypass", "greedy")
+SCORE_RESOLUTION = 0.01
+"""Scores (log-perplexities, nats) closer than this are ties, kept in layer order: a GPU's run-to-run rounding moved
+greedy's scores of two SmolLM2 layers (11.4357 vs 11.4364 nats) past each other between two runs, and with them
+the kept layers."""
 
 
 def uniform_kept(num_layers: int, keep_every: int) -> list[int]:
@@ -53,7 +57,8 @@ def kept_layers(policy: str, num_layers: int, keep_every: int = 4, scores: list[
         if scores is None or len(scores) != num_layers:
             raise ValueError(f"policy {policy!r} needs one score per layer ({num_layers})")
         k = len(uniform_kept(num_layers, keep_every))
-        kept = sorted(sorted(range(num_layers), key=lambda i: -scores[i])[:k])
+        ranked = sorted(range(num_layers), key=lambda i: (-round(scores[i] / SCORE_RESOLUTION), i))
+        kept = sorted(ranked[:k])
     elif policy.startswith("layers="):
         kept = parse_layer_list(policy[len("layers="):], num_layers)
     else:

@@ -33,3 +33,12 @@ def test_keep_every_out_of_range():
         kept_layers("uniform", 30, 0)
     with pytest.raises(ValueError, match="nothing would be converted"):
         kept_layers("uniform", 30, 1)
+
+
+def test_scored_policies_treat_near_equal_scores_as_ties_in_layer_order():
+    """Scores within SCORE_RESOLUTION (run-to-run GPU rounding) do not decide: the lower layer wins the tie, so a
+    rerun keeps the same layers; a real difference still decides."""
+    near_tie = [-2.0, -1.0004, -1.0001, -3.0]
+    assert kept_layers("greedy", 4, 4, near_tie) == [1]
+    assert kept_layers("greedy", 4, 4, [-2.0, -1.05, -1.0, -3.0]) == [2]
+    assert kept_layers("bypass", 4, 4, [0.1, 0.5002, 0.5004, 0.2]) == [1]
