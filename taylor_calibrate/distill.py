@@ -107,10 +107,16 @@ def wrap(student, ctx: Dist, parallel: str, device: torch.device):
 
 def compile_layers(*models) -> None:
     """torch.compile each decoder layer in place (per layer, as torchtitan does: one graph serves every layer of a
-    kind, and FSDP2's per-layer wrapping stays outside the compiled code)."""
-    for m in models:
-        for layer in m.model.layers:
-            layer.compile()
+    kind, and FSDP2's per-layer wrapping stays outside the compiled code).
+
+    A layer's graph is specialised on more than its kind: whether its input requires grad (before and after the first
+    trained layer), train / eval mode, teacher or student, and under FSDP2 its own hooks. On an H200, 2-process FSDP2
+    of a 4-layer hybrid already reached dynamo's default of 8 graphs per code object, past which layers silently run
+    eager; two per layer bounds every combination."""
+    layers = [layer for m in models for layer in m.model.layers]
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(layers))
+    for layer in layers:
+        layer.compile()
 
 
 # --- the loss ----------------------------------------------------------------------------------------------------
