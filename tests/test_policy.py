@@ -36,7 +36,7 @@ def test_keep_every_out_of_range():
 
 
 def test_scored_policies_treat_near_equal_scores_as_ties_in_layer_order():
-    """Scores within SCORE_RESOLUTION (run-to-run GPU rounding) do not decide: the lower layer wins the tie, so a
+    """Scores equal at SCORE_RESOLUTION (run-to-run GPU rounding) do not decide: the lower layer wins the tie, so a
     rerun keeps the same layers; a real difference still decides."""
     near_tie = [-2.0, -1.0004, -1.0001, -3.0]
     assert kept_layers("greedy", 4, 4, near_tie) == [1]
