@@ -88,6 +88,12 @@ VARIANTS = [
     # around the new defaults (lr_o 1e-3, lr_dynamics 1e-2)
     ("copy, lr_o 2e-3", "copy", {}, {}, {"lr_o": 2e-3}),
     ("taylor, lr_o 2e-3", "taylor", {}, {}, {"lr_o": 2e-3}),
+    # which of phase 1's four settings carries its lead after alignment (the others stay at copy's library values)
+    ("taylor without decay", "taylor", {"decay": False}, {}, {}),
+    ("taylor without write gate", "taylor", {"write_gate": False}, {}, {}),
+    ("taylor without value scale", "taylor", {"value_scale": False}, {}, {}),
+    ("taylor without output gate", "taylor", {"output_gate": False}, {}, {}),
+    ("taylor without decay or write gate", "taylor", {"decay": False, "write_gate": False}, {}, {}),
 ]
 
 # Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/

@@ -49,9 +49,10 @@ def _readout_unit(mixer: GatedDeltaNet, x: torch.Tensor, norm: bool) -> torch.Te
     return mixer.o_norm(o) if norm and mixer.o_norm is not None else o  # (B, T, H, D)
 
 
-def _sigma(mixer, x, y, norm: bool) -> torch.Tensor:
-    """Per-head least squares factor sigma_h = <y_h, yhat_h> / <yhat_h, yhat_h> (METHOD.md 3, item 3)."""
-    yhat = _readout_unit(mixer, x, norm).float()
+def _sigma(mixer, x, y, norm: bool, gated: bool = False) -> torch.Tensor:
+    """Per-head least squares factor sigma_h = <y_h, yhat_h> / <yhat_h, yhat_h> (METHOD.md 3, item 3); yhat through
+    the layer's current gate when `gated`, else at unit gate."""
+    yhat = (mixer.gate(x, mixer.readout(*mixer.features(x))) if gated else _readout_unit(mixer, x, norm)).float()
     y = y.float().view_as(yhat)
     return (y * yhat).sum((0, 1, 3)) / (yhat * yhat).sum((0, 1, 3)).clamp_min(1e-12)
 
@@ -156,13 +157,16 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
         return rep
 
     W_O = mixer.o_proj.weight.detach().clone()  # the teacher's, still untouched here
-    # taylor: amplitude takes effect. With a gate, |sigma_h| becomes the gate's mean value and the sign goes into
-    # o_proj's head-h columns; without a gate, all of sigma_h goes into those columns (exact: o_proj is linear).
+    # taylor: amplitude takes effect. With the output gate calibrated, |sigma_h| becomes the gate's mean value and
+    # the sign goes into o_proj's head-h columns; without a gate, or with `output_gate` off (g_proj keeps its
+    # library init), all of sigma_h goes into those columns, measured through whatever gate is there (exact: o_proj
+    # is linear).
     if args.value_scale or args.output_gate:
-        has_gate = mixer.g_proj is not None
+        has_gate = mixer.g_proj is not None and args.output_gate
         if has_gate:  # provisional gate (perturbation only) so that yhat is measured at unit scale
             mixer.g_proj.weight.zero_()
-        sigma = _sigma(mixer, x[rows], y[rows], norm=True) if args.value_scale else torch.ones(H, device=p.device)
+        sigma = (_sigma(mixer, x[rows], y[rows], norm=True, gated=not has_gate) if args.value_scale
+                 else torch.ones(H, device=p.device))
         amp, sign = sigma.abs().clamp_min(1e-3), torch.where(sigma < 0, -1.0, 1.0)
         scale_cols = sign if has_gate else sign * amp
         if has_gate and mixer.cfg.gate == "sigmoid":  # sigmoid can only give (0, 1): centre it at 0.5, rest to o_proj

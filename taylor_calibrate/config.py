@@ -122,7 +122,8 @@ class CalibArgs:
     value_scale: bool = True
     """Least-squares per-head amplitude sigma_h of the student head output against the teacher's."""
     output_gate: bool = True
-    """Initialise the output gate (paper: alpha * v_proj; taylor: perturbation around the head amplitude)."""
+    """Initialise the output gate (paper: alpha * v_proj; taylor: perturbation around the head amplitude, which it
+    carries; off: g_proj keeps its library init and the amplitude goes into o_proj)."""
     sinks: str = "drop"
     """Attention sinks in d_h and c_h: "keep" (mass on the first token counts) or "drop" (removed, renormalised)."""
     concentration: str = "abs"

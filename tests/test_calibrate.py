@@ -233,6 +233,21 @@ def test_taylor_without_gate_puts_sigma_in_o_proj_exactly(plain_teacher, norm):
         torch.testing.assert_close(ratio, corr.abs(), rtol=1e-4, atol=0)
 
 
+def test_taylor_output_gate_off_keeps_the_library_gate_and_puts_sigma_in_o_proj(teacher):
+    """output_gate=False leaves g_proj as copy initialised it; the amplitude then goes into o_proj's columns,
+    measured through that gate, and still takes effect exactly (LS factor 1)."""
+    model, stats = teacher
+    copied = make_mixers(model, LAYERS, GDNConfig())
+    mixers, report = _calibrated(model, stats, calib=CalibArgs(output_gate=False))
+    for i, mixer in mixers.items():
+        attn = model.model.layers[i].self_attn
+        assert torch.equal(mixer.g_proj.weight, copied[i].g_proj.weight)
+        torch.testing.assert_close(_column_scale(mixer, attn), torch.tensor(report[i]["sigma"]))
+        s, _ = _student_heads(mixer, attn, stats.inputs[i][:ROWS])
+        ls, _, _ = _least_squares(stats.head_outputs[i][:ROWS].view(ROWS, -1, H, D), s)
+        torch.testing.assert_close(ls, torch.ones(H), rtol=1e-4, atol=0)
+
+
 def test_taylor_value_scale_off_leaves_unit_amplitude(teacher):
     model, stats = teacher
     mixers, report = _calibrated(model, stats, calib=CalibArgs(value_scale=False))
