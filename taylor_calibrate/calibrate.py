@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from taylor_calibrate.config import CalibArgs
 from taylor_calibrate.model.gdn import GatedDeltaNet
-from taylor_calibrate.stats import LayerStats, TeacherStats
+from taylor_calibrate.stats import LayerStats
 
 METHODS = ("copy", "zero_gate", "paper", "taylor")
 
