@@ -17,10 +17,11 @@ one optimizer per layer). Each layer keeps its own clipping norm, best state and
 layers share is which rows a step uses. `layer_group` bounds how many layers share a forward (activation memory).
 
 Choices (the reference's are in METHOD.md section 3a):
-- Parameter groups: new recurrent parameters (a_proj, b_proj, g_proj, A_log, dt_bias, short convs) at `lr`, the copied
-  q/k/v projections (weights and biases) at `lr_qkv`; o_proj (`lr_o`) and o_norm (`lr`) only when asked - the
-  reference freezes both. The decay and write-gate parameters (A_log, dt_bias, a_proj, b_proj) can take their own
-  `lr_dynamics` (0 = frozen at phase 1's values). Weight decay applies to every trained parameter, as in the reference.
+- Parameter groups: the decay and write-gate parameters (A_log, dt_bias, a_proj, b_proj) at `lr_dynamics` (None =
+  `lr`, 0 = frozen at phase 1's values), the other new ones (g_proj, short convs) at `lr`, the copied q/k/v
+  projections (weights and biases) at `lr_qkv`, o_proj at `lr_o` (trained by default, `train_o_proj`) and o_norm at
+  `lr` when asked - the reference freezes both and trains all new parameters at one rate. Weight decay applies to
+  every trained parameter, as in the reference.
 - Best state: every `log_every` steps and at the end, rel-MSE is measured on fixed evaluation rows (the first
   `eval_rows` stored rows, full length, no grad) and the parameters with the lowest value so far are kept; the
   initial state is the first candidate, so alignment never leaves a layer worse on those rows than it found it.

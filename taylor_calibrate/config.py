@@ -166,9 +166,9 @@ class AlignArgs:
     profile crops to 256). Evaluation
     always uses full rows."""
     lr: float = 2e-3
-    """Learning rate of the new recurrent parameters: a_proj, b_proj, g_proj, A_log, dt_bias, short convs, and
-    o_norm when it trains (the reference: 1e-3; 2e-3 with lr_qkv 3e-4 lowered aligned PPL 16.21 -> 13.88,
-    docs/decisions.md)."""
+    """Learning rate of the new parameters other than the decay and write gate (those take `lr_dynamics`): g_proj,
+    short convs, and o_norm when it trains (the reference: 1e-3 for all new parameters; 2e-3 with lr_qkv 3e-4
+    lowered aligned PPL 16.21 -> 13.88, docs/decisions.md)."""
     lr_qkv: float = 3e-4
     """Learning rate of the copied projections q_proj, k_proj, v_proj (the reference: 1e-4)."""
     lr_o: float = 1e-3
