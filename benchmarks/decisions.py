@@ -94,6 +94,13 @@ VARIANTS = [
     ("taylor without value scale", "taylor", {"value_scale": False}, {}, {}),
     ("taylor without output gate", "taylor", {"output_gate": False}, {}, {}),
     ("taylor without decay or write gate", "taylor", {"decay": False, "write_gate": False}, {}, {}),
+    # closed-form fits that keep the teacher's head layout: each head's v_proj fitted to its teacher head output
+    # (W_O kept), and the o_proj fit shrunk harder toward W_O
+    ("readout: value (ridge 1e-2)", "taylor", {"readout": "value", "ridge": 1e-2}, {}, {}),
+    ("readout: value (ridge 1e-1)", "taylor", {"readout": "value", "ridge": 1e-1}, {}, {}),
+    ("readout: value (ridge 1)", "taylor", {"readout": "value", "ridge": 1.0}, {}, {}),
+    ("readout: lstsq (ridge 1)", "taylor", {"readout": "lstsq", "ridge": 1.0}, {}, {}),
+    ("readout: lstsq (ridge 10)", "taylor", {"readout": "lstsq", "ridge": 10.0}, {}, {}),
 ]
 
 # Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/

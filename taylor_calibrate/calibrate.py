@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from taylor_calibrate.config import CalibArgs
 from taylor_calibrate.model.gdn import GatedDeltaNet
+from taylor_calibrate.ops import gated_delta_rule
 from taylor_calibrate.stats import LayerStats
 
 METHODS = ("copy", "zero_gate", "paper", "taylor")
@@ -142,6 +143,8 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
         rep["beta_star"] = beta_star.tolist()
 
     rows = slice(0, args.sigma_rows)
+    if method == "taylor" and args.readout == "value":
+        rep["value_fit_rel_mse"] = _fit_v_proj(mixer, x, y, args.ridge, _sigma(mixer, x[rows], y[rows], norm=False))
     if method == "paper":
         if args.value_scale:  # multiplied into v_proj rows, where o_norm then cancels it (reference quirk)
             sigma = _sigma(mixer, x[rows], y[rows], norm=False).clamp(0.1, 10)
@@ -186,6 +189,48 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
         target = F.linear(y.to(W_O.dtype), W_O)  # teacher attention output minus o_proj's bias
         rep["readout_rel_mse"] = _fit_o_proj(mixer, x, target, args.ridge)
     return rep
+
+
+def _fit_v_proj(mixer: GatedDeltaNet, x: torch.Tensor, y: torch.Tensor, ridge: float, scale: torch.Tensor) -> dict:
+    """Closed-form v_proj, per head: with the decay, write gate, q and k fixed, the recurrence's readout is linear in
+    the values (o_t = sum_s w_ts v_s), so o_t = W_h z_t with z_t = sum_s w_ts x_s, the same recurrence run on the raw
+    inputs. Ridge least squares of W_h from z to the teacher's head output y_h / scale_h (scale_h: the pre-norm
+    sigma_h, so W_h keeps the copied W_V's size and the ridge shrinks toward it), bias column included. Unlike the
+    lstsq o_proj it keeps W_O and the teacher's head layout: each head is fitted to its own teacher head. Returns
+    the fit's squared error relative to the targets' energy before and after, on the calibration rows."""
+    if mixer.cfg.v_activation != "identity" or mixer.cfg.short_conv != "none":
+        raise ValueError("--calib.readout value needs a readout linear in v_proj: --gdn.v_activation identity and "
+                         "--gdn.short_conv none")
+    H, D = mixer.num_heads, mixer.head_dim
+    w, b = mixer.v_proj.weight, mixer.v_proj.bias
+    P = w.shape[1] + (b is not None)
+    A = torch.zeros(H, P, P, device=w.device)
+    B = torch.zeros(H, P, D, device=w.device)
+    yy = torch.zeros((), device=w.device)
+    s = scale.float().abs().clamp_min(1e-6) * torch.where(scale < 0, -1.0, 1.0)
+    for i in range(x.shape[0]):  # one row at a time bounds the memory: z is (T, H, hidden)
+        xi = x[i:i + 1]
+        q, k, _, g, beta = mixer.features(xi)
+        xin = xi if b is None else torch.cat([xi, torch.ones_like(xi[..., :1])], -1)
+        z, _ = gated_delta_rule(q, k, xin[:, :, None, :].expand(-1, -1, H, -1).contiguous(), g, beta,
+                                scale=D ** -0.5, backend="torch")
+        Z = z[0].float().transpose(0, 1)  # (H, T, P)
+        Y = y[i].float().view(-1, H, D).transpose(0, 1) / s[:, None, None]  # (H, T, D)
+        A += Z.transpose(1, 2) @ Z
+        B += Z.transpose(1, 2) @ Y
+        yy += Y.pow(2).sum()
+    W0 = w.float().view(H, D, -1)
+    if b is not None:
+        W0 = torch.cat([W0, b.float().view(H, D, 1)], -1)
+    W0 = W0.transpose(1, 2)  # (H, P, D)
+    sse0 = (W0.transpose(1, 2) @ A @ W0).diagonal(dim1=1, dim2=2).sum() - 2 * (W0 * B).sum()
+    lam = ridge * A.diagonal(dim1=1, dim2=2).mean(-1)  # (H,)
+    W = torch.linalg.solve(A + lam[:, None, None] * torch.eye(P, device=A.device), B + lam[:, None, None] * W0)
+    sse = (W.transpose(1, 2) @ A @ W).diagonal(dim1=1, dim2=2).sum() - 2 * (W * B).sum()
+    w.copy_(W[:, :w.shape[1]].transpose(1, 2).reshape(H * D, -1).to(w.dtype))
+    if b is not None:
+        b.copy_(W[:, -1].reshape(-1).to(b.dtype))
+    return {"before": ((yy + sse0) / yy).item(), "after": ((yy + sse) / yy).item()}
 
 
 def _fit_o_proj(mixer: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, ridge: float) -> float:

@@ -135,10 +135,13 @@ class CalibArgs:
     sigma_rows: int = 4
     """Calibration rows used to fit sigma_h (a student forward per converted layer)."""
     readout: str = "scale"
-    """Output map after the recurrence: "scale" (per-head sigma_h, METHOD.md 3b) or "lstsq" (closed-form ridge fit
-    of o_proj from the student's head outputs to the teacher's attention output, on the calibration rows)."""
+    """Output map after the recurrence: "scale" (per-head sigma_h, METHOD.md 3b), "lstsq" (closed-form ridge fit
+    of o_proj from the student's head outputs to the teacher's attention output, on the calibration rows) or
+    "value" (closed-form ridge fit of each head's v_proj rows so that the head's recurrent readout matches the
+    teacher's head output; W_O and the head layout stay the teacher's; then sigma_h as for "scale")."""
     ridge: float = 1e-3
-    """Ridge strength of the lstsq readout (relative to the mean feature energy), shrinking toward W_O."""
+    """Ridge strength of the lstsq / value fit (relative to the mean feature energy), shrinking toward the current
+    weights (W_O; the copied W_V)."""
 
     def __post_init__(self):
         if self.sinks not in ("keep", "drop"):
@@ -147,8 +150,10 @@ class CalibArgs:
             raise ValueError(f"calib option concentration={self.concentration!r} must be 'abs' or 'minmax'")
         if not self.half_life_scale > 0:
             raise ValueError(f"calib option half_life_scale={self.half_life_scale} must be > 0")
-        if self.readout not in ("scale", "lstsq"):
-            raise ValueError(f"calib option readout={self.readout!r} must be 'scale' or 'lstsq'")
+        if self.readout not in ("scale", "lstsq", "value"):
+            raise ValueError(f"calib option readout={self.readout!r} must be 'scale', 'lstsq' or 'value'")
+        if not self.ridge > 0:
+            raise ValueError(f"calib option ridge={self.ridge} must be > 0")
         if not (0 < self.beta_min and self.beta_min + self.beta_span < 1 and self.beta_span >= 0):
             raise ValueError("calib options need 0 < beta_min and beta_min + beta_span < 1")
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from conftest import one_thread, tiny_teacher
 
-from taylor_calibrate.calibrate import calibrate_layer, concentration, distance, inv_softplus
+from taylor_calibrate.calibrate import _fit_v_proj, calibrate_layer, concentration, distance, inv_softplus
 from taylor_calibrate.config import CalibArgs, GDNConfig
 from taylor_calibrate.convert import calibrated_mixers
 from taylor_calibrate.model.hybrid import make_mixers
@@ -256,6 +256,46 @@ def test_taylor_value_scale_off_leaves_unit_amplitude(teacher):
         torch.testing.assert_close(_column_scale(mixer, model.model.layers[i].self_attn), torch.ones(H))
 
 
+@torch.no_grad()
+def test_value_fit_recovers_the_v_proj_that_made_the_targets(teacher):
+    """The readout is linear in v_proj, so targets made by a known v_proj (and bias) times a per-head scale are fitted
+    exactly back to that v_proj at a vanishing ridge."""
+    model, stats = teacher
+    mixer = _calibrated(model, stats, gdn=GDNConfig())[0][LAYERS[0]]
+    mixer.v_proj.bias = torch.nn.Parameter(torch.zeros(H * D))  # the bias column of the fit too (Qwen2's layers)
+    x = stats.inputs[LAYERS[0]]
+    w_star = torch.randn_like(mixer.v_proj.weight) * mixer.v_proj.weight.std()
+    b_star = torch.randn(H * D) * 0.1
+    scale = torch.tensor([0.5, -2.0, 1.0, 3.0])
+    orig = mixer.v_proj.weight.clone()
+    mixer.v_proj.weight.copy_(w_star)
+    mixer.v_proj.bias.copy_(b_star)
+    y = (mixer.readout(*mixer.features(x)) * scale[:, None]).flatten(2)
+    mixer.v_proj.weight.copy_(orig)
+    mixer.v_proj.bias.zero_()
+    rep = _fit_v_proj(mixer, x, y, ridge=1e-9, scale=scale)
+    # the inputs share a direction (nearly collinear columns), so compare what the weights do, not the weights
+    fitted = (mixer.readout(*mixer.features(x)) * scale[:, None]).flatten(2)
+    assert ((fitted - y).pow(2).mean() / y.pow(2).mean()).item() < 1e-5
+    assert abs(rep["after"]) < 1e-5 and rep["before"] > 0.5
+
+
+def test_value_fit_lowers_the_head_error_and_keeps_w_o(teacher):
+    """readout "value": each head's readout moves toward its teacher head output (W_O stays the teacher's, up to
+    sigma's per-head column signs), and sigma_h still takes effect afterwards (LS factor 1)."""
+    model, stats = teacher
+    mixers, report = _calibrated(model, stats, calib=CalibArgs(readout="value", ridge=1e-2))
+    for i, mixer in mixers.items():
+        attn = model.model.layers[i].self_attn
+        assert report[i]["value_fit_rel_mse"]["after"] < report[i]["value_fit_rel_mse"]["before"]
+        assert set(_column_scale(mixer, attn).abs().round(decimals=5).tolist()) == {1.0}
+        s, _ = _student_heads(mixer, attn, stats.inputs[i][:ROWS])
+        ls, _, _ = _least_squares(stats.head_outputs[i][:ROWS].view(ROWS, -1, H, D), s)
+        torch.testing.assert_close(ls, torch.ones(H), rtol=0, atol=0.05)
+    with pytest.raises(ValueError, match="readout value needs a readout linear in v_proj"):
+        _calibrated(model, stats, calib=CalibArgs(readout="value"), gdn=GDNConfig(v_activation="silu"))
+
+
 def test_calibration_is_deterministic(teacher):
     model, stats = teacher
     a, _ = _calibrated(model, stats)
@@ -394,6 +434,8 @@ def test_zero_gate_zeroes_only_g_proj(teacher):
     ({"beta_min": 0.5, "beta_span": 0.5}, "beta_min \\+ beta_span < 1"),
     ({"beta_span": -0.1}, "beta_min"),
     ({"half_life_scale": 0.0}, "half_life_scale=0.0 must be > 0"),
+    ({"readout": "mlp"}, "readout='mlp' must be 'scale', 'lstsq' or 'value'"),
+    ({"ridge": 0.0}, "ridge=0.0 must be > 0"),
 ])
 def test_calib_args_bad_options(kw, match):
     with pytest.raises(ValueError, match=match):
