@@ -101,6 +101,11 @@ VARIANTS = [
     ("readout: value (ridge 1)", "taylor", {"readout": "value", "ridge": 1.0}, {}, {}),
     ("readout: lstsq (ridge 1)", "taylor", {"readout": "lstsq", "ridge": 1.0}, {}, {}),
     ("readout: lstsq (ridge 10)", "taylor", {"readout": "lstsq", "ridge": 10.0}, {}, {}),
+    # phase 2 overfits a small calibration set (CPU quick: rel-MSE 0.11 on the calibration rows, 0.29 held out), and
+    # the fits above overfit first; with more rows (--calib-seqs) the fits read more of them
+    ("readout: value (ridge 1e-1, 64 rows)", "taylor", {"readout": "value", "ridge": 0.1, "fit_rows": 64}, {}, {}),
+    ("readout: value (ridge 1e-2, 64 rows)", "taylor", {"readout": "value", "ridge": 1e-2, "fit_rows": 64}, {}, {}),
+    ("readout: lstsq (ridge 1e-1, 64 rows)", "taylor", {"readout": "lstsq", "ridge": 0.1, "fit_rows": 64}, {}, {}),
 ]
 
 # Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/
@@ -117,6 +122,7 @@ def main():
     ap.add_argument("--only", default=None, help="semicolon-separated variant names (default: all)")
     ap.add_argument("--policy", default="uniform",
                     help="uniform, bypass / greedy (the CPU quick ablation's kept layers), or layers=0,4,8")
+    ap.add_argument("--calib-seqs", type=int, default=None, help="calibration rows (default: the profile's)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -126,7 +132,8 @@ def main():
     teacher = load_teacher(a.teacher, device, resolve_dtype("auto", device))
     model = teacher.model
     n = model.config.num_hidden_layers
-    splits = load_splits(CorpusSpec(), teacher.tokenizer, prof["seq_len"], prof["calib_seqs"], prof["eval_seqs"])
+    splits = load_splits(CorpusSpec(), teacher.tokenizer, prof["seq_len"], a.calib_seqs or prof["calib_seqs"],
+                         prof["eval_seqs"])
     kept = kept_layers(ABLATION_KEPT.get(a.policy, a.policy), n, 4)
     converted = gdn_layers(kept, n)
     stats = collect_stats(model, splits.calib, store_layers=converted, store_device=device)

@@ -134,6 +134,8 @@ class CalibArgs:
     """Relative size of the output gate's perturbation (reference: 0.01)."""
     sigma_rows: int = 4
     """Calibration rows used to fit sigma_h (a student forward per converted layer)."""
+    fit_rows: int = 16
+    """Calibration rows phase 1 reads at most (the write gate's input direction, the lstsq / value fits)."""
     readout: str = "scale"
     """Output map after the recurrence: "scale" (per-head sigma_h, METHOD.md 3b), "lstsq" (closed-form ridge fit
     of o_proj from the student's head outputs to the teacher's attention output, on the calibration rows) or
@@ -152,6 +154,8 @@ class CalibArgs:
             raise ValueError(f"calib option half_life_scale={self.half_life_scale} must be > 0")
         if self.readout not in ("scale", "lstsq", "value"):
             raise ValueError(f"calib option readout={self.readout!r} must be 'scale', 'lstsq' or 'value'")
+        if self.sigma_rows < 1 or self.fit_rows < 1:
+            raise ValueError(f"calib options sigma_rows={self.sigma_rows} and fit_rows={self.fit_rows} must be >= 1")
         if not self.ridge > 0:
             raise ValueError(f"calib option ridge={self.ridge} must be > 0")
         if not (0 < self.beta_min and self.beta_min + self.beta_span < 1 and self.beta_span >= 0):

@@ -60,7 +60,8 @@ def calibrated_mixers(teacher, stats: TeacherStats | None, layers, init: str, ca
     report = {}
     if init != "copy":
         for i, m in tqdm(mixers.items(), desc=f"phase 1 ({init})", leave=False):
-            x, y = stats.inputs[i][:16].to(m.A_log.device), stats.head_outputs[i][:16].to(m.A_log.device)
+            rows = slice(0, calib.fit_rows)
+            x, y = stats.inputs[i][rows].to(m.A_log.device), stats.head_outputs[i][rows].to(m.A_log.device)
             report[i] = calibrate_layer(m, stats.layers[i], x, y, init, calib)
     return mixers, report
 
