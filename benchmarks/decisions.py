@@ -162,7 +162,7 @@ def main():
               "policy": a.policy, "kept_layers": kept,
               "eval_tokens": int(splits.heldout[:, 1:].numel()), "backend": backend, "device": str(device),
               "rows": rows, "command": "python benchmarks/decisions.py " + " ".join(
-                  f"--{k} {shlex.quote(str(v))}" for k, v in vars(a).items() if k != "out" and v is not None)}
+                  f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in vars(a).items() if k != "out" and v is not None)}
     lines = [f"Teacher `{a.teacher}` PPL {teacher_ppl:.3f}; {a.policy} policy (kept {kept}); {a.profile} profile; "
              f"{result['eval_tokens']} held-out tokens.", "",
              "| variant | phase 1 PPL |" + (f" + {a.steps} align steps PPL | rel-MSE after |" if a.steps else ""),

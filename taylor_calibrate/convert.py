@@ -41,14 +41,36 @@ def print_table(rows: list[tuple[str, str]]) -> None:
         print(f"  {k:<{width}}  {v}")
 
 
-def attention_targets(teacher, stats: TeacherStats, layers) -> dict[int, torch.Tensor]:
-    """Teacher attention output after W_O for each layer: the phase 2 target (METHOD.md section 4)."""
+def attention_targets(teacher, stats: TeacherStats, layers, release: bool = False) -> dict[int, torch.Tensor]:
+    """Teacher attention output after W_O for each layer: the phase 2 target (METHOD.md section 4). `release` drops
+    each layer's stored head outputs once its target exists (phase 1 was their last reader), so the two never
+    coexist for more than one layer."""
     out = {}
     for i in layers:
         o_proj = teacher.model.layers[i].self_attn.o_proj
-        y = stats.head_outputs[i]
+        y = stats.head_outputs.pop(i) if release else stats.head_outputs[i]
         out[i] = torch.nn.functional.linear(y.to(o_proj.weight), o_proj.weight, o_proj.bias).to(y.device)
+        del y
     return out
+
+
+def store_device_for(model, rows: int, seq: int, layers, device: torch.device) -> torch.device:
+    """Where the calibration rows' per-layer tensors live: on the GPU when inputs, head outputs and phase-2 targets
+    of every stored layer take at most half of its free memory, else in host memory (phase 2 moves one batch at a
+    time; phase 1 a few rows). 128 rows x 1024 tokens of a Qwen3-8B shape are ~80 GB of them."""
+    if device.type != "cuda":
+        return device
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    itemsize = next(model.parameters()).element_size()
+    need = rows * seq * len(layers) * (2 * cfg.hidden_size + heads * head_dim) * itemsize
+    free, _ = torch.cuda.mem_get_info(device)
+    if need <= free / 2:
+        return device
+    log.info("calibration rows of %d layers need %.1f GB, more than half the GPU's free %.1f GB: stored in host "
+             "memory", len(layers), need / 2 ** 30, free / 2 ** 30)
+    return torch.device("cpu")
 
 
 def calibrated_mixers(teacher, stats: TeacherStats | None, layers, init: str, calib: CalibArgs, gdn, backend: str,
@@ -126,8 +148,9 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     candidates = list(range(n)) if args.policy == "greedy" else gdn_layers(kept, n)
     stats = None
     if args.init != "copy" or args.align or args.policy == "greedy":
+        store = store_device_for(teacher.model, *splits.calib.shape, candidates, device)
         stats = collect_stats(teacher.model, splits.calib, store_layers=candidates, batch_size=args.eval_batch_size,
-                              store_device=device)
+                              store_device=store)
     times["stats_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -144,8 +167,8 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     if args.align:
         for m in mixers.values():
             m.backend = train_backend
-        p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, attention_targets(teacher.model, stats, converted),
-                          args.phase2)
+        targets = attention_targets(teacher.model, stats, converted, release=True)
+        p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets, args.phase2)
     times["phase2_s"] = time.perf_counter() - t
 
     hybrid = convert_teacher(teacher.model, converted, args.gdn, teacher_name=args.teacher, mixers=mixers)

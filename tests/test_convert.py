@@ -92,3 +92,34 @@ def test_cli_records_the_command_line(monkeypatch):
     assert main(["ablate", "--profile", "quick", "--device", "cpu"]) == 0
     assert seen["a"].command == "taylor-calibrate ablate --profile quick --device cpu"
     assert main(["ablate", "--command", "mine"]) == 0 and seen["a"].command == "mine"
+
+
+def test_attention_targets_release_drops_head_outputs_and_keeps_the_targets():
+    from conftest import tiny_teacher
+
+    from taylor_calibrate.convert import attention_targets
+    from taylor_calibrate.stats import collect_stats
+    model = tiny_teacher("llama")
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    stats = collect_stats(model, ids, store_layers=[0, 1])
+    kept = attention_targets(model, stats, [0, 1])
+    released = attention_targets(model, stats, [0, 1], release=True)
+    assert stats.head_outputs == {}
+    for i in (0, 1):
+        assert torch.equal(kept[i], released[i])
+
+
+def test_store_device_falls_back_to_host_memory_when_the_gpu_is_short(monkeypatch):
+    """inputs + head outputs + targets: 2 rows x 16 tokens x 2 layers x (2 x 64 + 64) x 4 bytes = 49,152 bytes."""
+    from conftest import tiny_teacher
+
+    from taylor_calibrate.convert import store_device_for
+    model = tiny_teacher("llama")
+    cfg = model.config
+    need = 2 * 16 * 2 * (2 * cfg.hidden_size + cfg.num_attention_heads * cfg.head_dim) * 4
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert store_device_for(model, 2, 16, [0, 1], cpu) == cpu
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * need, 10 * need))
+    assert store_device_for(model, 2, 16, [0, 1], cuda) == cuda
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * need - 1, 10 * need))
+    assert store_device_for(model, 2, 16, [0, 1], cuda) == cpu
