@@ -106,6 +106,11 @@ VARIANTS = [
     ("readout: value (ridge 1e-1, 64 rows)", "taylor", {"readout": "value", "ridge": 0.1, "fit_rows": 64}, {}, {}),
     ("readout: value (ridge 1e-2, 64 rows)", "taylor", {"readout": "value", "ridge": 1e-2, "fit_rows": 64}, {}, {}),
     ("readout: lstsq (ridge 1e-1, 64 rows)", "taylor", {"readout": "lstsq", "ridge": 0.1, "fit_rows": 64}, {}, {}),
+    # how much a different alignment seed (row order) moves each init: the noise floor of the comparisons above
+    ("paper", "paper", {}, {}, {}),
+    ("copy, align seed 1", "copy", {}, {}, {"seed": 1}),
+    ("taylor, align seed 1", "taylor", {}, {}, {"seed": 1}),
+    ("paper, align seed 1", "paper", {}, {}, {"seed": 1}),
 ]
 
 # Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/
