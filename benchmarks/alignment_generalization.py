@@ -1,0 +1,84 @@
+"""Does phase 2 generalise? Mean per-layer rel-MSE of the converted layers on the calibration rows (what alignment
+trains on) and on held-out rows (teacher-forced, the same way), after phase 1 and after alignment, with the hybrid's
+held-out perplexity; for a few inits and calibration-set sizes. This is how we found that phase 2 overfitted the 8 /
+16 calibration rows the profiles used to store (docs/decisions.md, "calibration rows").
+
+    python benchmarks/alignment_generalization.py --calib-seqs 8,64 --inits copy,taylor --device cpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from taylor_calibrate.align import align_layers, rel_mse
+from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig
+from taylor_calibrate.convert import attention_targets, calibrated_mixers
+from taylor_calibrate.data import CorpusSpec, load_splits
+from taylor_calibrate.evaluate import perplexity
+from taylor_calibrate.export import write_json
+from taylor_calibrate.model.hybrid import swapped_into
+from taylor_calibrate.ops import resolve_backend
+from taylor_calibrate.policy import gdn_layers, kept_layers
+from taylor_calibrate.stats import collect_stats
+from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--teacher", default="smollm2-135m")
+    ap.add_argument("--profile", default="quick", choices=sorted(PROFILES))
+    ap.add_argument("--calib-seqs", default="8,64", help="comma-separated calibration-set sizes (rows)")
+    ap.add_argument("--inits", default="copy,taylor", help="comma-separated phase-1 methods")
+    ap.add_argument("--heldout-rows", type=int, default=8, help="held-out rows for the teacher-forced rel-MSE")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    prof = PROFILES[a.profile]
+    device = resolve_device(a.device)
+    backend = resolve_backend("auto")
+    teacher = load_teacher(a.teacher, device, resolve_dtype("auto", device))
+    model = teacher.model
+    n = model.config.num_hidden_layers
+    layers = gdn_layers(kept_layers("uniform", n, 4), n)
+    align = AlignArgs(steps=prof["align_steps"], batch_size=prof["align_batch_size"], seq_len=prof["align_seq_len"])
+    rows = []
+    for calib_seqs in [int(c) for c in a.calib_seqs.split(",")]:
+        splits = load_splits(CorpusSpec(), teacher.tokenizer, prof["seq_len"], calib_seqs, prof["eval_seqs"])
+        train = collect_stats(model, splits.calib, store_layers=layers, store_device=device)
+        train_targets = attention_targets(model, train, layers)
+        held = collect_stats(model, splits.heldout[:a.heldout_rows], store_layers=layers, store_device=device)
+        held_targets = attention_targets(model, held, layers)
+
+        def mean_rel_mse(mixers, stats, targets):
+            return sum(rel_mse(mixers[i], stats.inputs[i], targets[i]) for i in layers) / len(layers)
+
+        for init in a.inits.split(","):
+            mixers, _ = calibrated_mixers(model, train, layers, init, CalibArgs(), GDNConfig(), backend)
+            row = {"calib_seqs": calib_seqs, "init": init,
+                   "phase1_calib": mean_rel_mse(mixers, train, train_targets),
+                   "phase1_heldout": mean_rel_mse(mixers, held, held_targets)}
+            align_layers(mixers, {i: train.inputs[i] for i in layers}, train_targets, align)
+            row.update(aligned_calib=mean_rel_mse(mixers, train, train_targets),
+                       aligned_heldout=mean_rel_mse(mixers, held, held_targets))
+            with swapped_into(model, mixers):
+                row["aligned_ppl"] = perplexity(model, splits.heldout)["ppl"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    lines = ["| calibration rows | init | rel-MSE calib / held-out after phase 1 | after alignment | aligned PPL |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['calib_seqs']} | {r['init']} | {r['phase1_calib']:.3f} / {r['phase1_heldout']:.3f} | "
+                     f"{r['aligned_calib']:.3f} / {r['aligned_heldout']:.3f} | {r['aligned_ppl']:.2f} |")
+    command = "python benchmarks/alignment_generalization.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out")
+    lines += ["", f"Command: `{command}`"]
+    print("\n" + "\n".join(lines))
+    if a.out:
+        write_json(a.out, {"teacher": a.teacher, "profile": a.profile, "layers": layers, "rows": rows,
+                           "command": command})
+        with open(a.out.rsplit(".", 1)[0] + ".md", "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
