@@ -50,7 +50,6 @@ def attention_targets(teacher, stats: TeacherStats, layers, release: bool = Fals
         o_proj = teacher.model.layers[i].self_attn.o_proj
         y = stats.head_outputs.pop(i) if release else stats.head_outputs[i]
         out[i] = torch.nn.functional.linear(y.to(o_proj.weight), o_proj.weight, o_proj.bias).to(y.device)
-        del y
     return out
 
 
@@ -160,6 +159,9 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         kept = kept_layers(args.policy, n, args.keep_every, scores)
     converted = gdn_layers(kept, n)
     mixers = {i: mixers[i] for i in converted}
+    if stats is not None:  # greedy stored every layer's rows; phase 2 reads only the converted ones
+        for i in set(candidates) - set(converted):
+            del stats.inputs[i], stats.head_outputs[i]
     times["phase1_s"] = time.perf_counter() - t
 
     t = time.perf_counter()

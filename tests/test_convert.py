@@ -123,3 +123,19 @@ def test_store_device_falls_back_to_host_memory_when_the_gpu_is_short(monkeypatc
     assert store_device_for(model, 2, 16, [0, 1], cuda) == cuda
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * need - 1, 10 * need))
     assert store_device_for(model, 2, 16, [0, 1], cuda) == cpu
+
+
+def test_greedy_conversion_end_to_end(tmp_path):
+    """--policy greedy stores every layer's rows to score them, then aligns only the layers it converts."""
+    from conftest import one_thread, tiny_local_teacher
+    teacher_dir, corpus = tiny_local_teacher(tmp_path)
+    out = tmp_path / "out"
+    with one_thread():
+        main(["convert", "--teacher", str(teacher_dir), "--policy", "greedy", "--keep_every", "2", "--device", "cpu",
+              "--backend", "torch", "--data.source", str(corpus), "--data.seq_len", "32", "--data.calib_seqs", "4",
+              "--data.eval_seqs", "2", "--phase2.steps", "2", "--phase2.batch_size", "2", "--out", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    n = len(report["layer_types"])
+    assert len(report["policy_scores"]) == n and len(report["kept_layers"]) == n // 2
+    assert sorted(report["kept_layers"] + report["gdn_layers"]) == list(range(n))
+    assert sorted(int(k) for k in report["phase2"]["layers"]) == report["gdn_layers"]
