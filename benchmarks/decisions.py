@@ -106,6 +106,10 @@ VARIANTS = [
     ("readout: value (ridge 1e-1, 64 rows)", "taylor", {"readout": "value", "ridge": 0.1, "fit_rows": 64}, {}, {}),
     ("readout: value (ridge 1e-2, 64 rows)", "taylor", {"readout": "value", "ridge": 1e-2, "fit_rows": 64}, {}, {}),
     ("readout: lstsq (ridge 1e-1, 64 rows)", "taylor", {"readout": "lstsq", "ridge": 0.1, "fit_rows": 64}, {}, {}),
+    # the output gate's perturbation around the calibrated amplitude (reference alpha 0.01): room for alignment to
+    # move the gate per token
+    ("taylor, gate_alpha 0.1", "taylor", {"gate_alpha": 0.1}, {}, {}),
+    ("taylor, gate_alpha 0.3", "taylor", {"gate_alpha": 0.3}, {}, {}),
     # how much a different alignment seed (row order) moves each init: the noise floor of the comparisons above
     ("paper", "paper", {}, {}, {}),
     ("copy, align seed 1", "copy", {}, {}, {"seed": 1}),
