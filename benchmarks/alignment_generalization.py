@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from decisions import command_line, load  # benchmarks/ is the script's directory
+
 from taylor_calibrate.align import align_layers, rel_mse
 from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig
 from taylor_calibrate.convert import attention_targets, calibrated_mixers
@@ -17,10 +19,13 @@ from taylor_calibrate.data import CorpusSpec, load_splits
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import swapped_into
-from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.policy import gdn_layers, kept_layers
 from taylor_calibrate.stats import collect_stats
-from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+
+
+def mean_rel_mse(mixers, stats, targets) -> float:
+    """Mean over the mixers' layers of the teacher-forced rel-MSE on the rows `stats` stored."""
+    return sum(rel_mse(m, stats.inputs[i], targets[i]) for i, m in mixers.items()) / len(mixers)
 
 
 def main():
@@ -34,9 +39,7 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     prof = PROFILES[a.profile]
-    device = resolve_device(a.device)
-    backend = resolve_backend("auto")
-    teacher = load_teacher(a.teacher, device, resolve_dtype("auto", device))
+    device, backend, teacher = load(a.teacher, a.device)
     model = teacher.model
     n = model.config.num_hidden_layers
     layers = gdn_layers(kept_layers("uniform", n, 4), n)
@@ -48,10 +51,6 @@ def main():
         train_targets = attention_targets(model, train, layers)
         held = collect_stats(model, splits.heldout[:a.heldout_rows], store_layers=layers, store_device=device)
         held_targets = attention_targets(model, held, layers)
-
-        def mean_rel_mse(mixers, stats, targets):
-            return sum(rel_mse(mixers[i], stats.inputs[i], targets[i]) for i in layers) / len(layers)
-
         for init in a.inits.split(","):
             mixers, _ = calibrated_mixers(model, train, layers, init, CalibArgs(), GDNConfig(), backend)
             row = {"calib_seqs": calib_seqs, "init": init,
@@ -69,8 +68,7 @@ def main():
     for r in rows:
         lines.append(f"| {r['calib_seqs']} | {r['init']} | {r['phase1_calib']:.3f} / {r['phase1_heldout']:.3f} | "
                      f"{r['aligned_calib']:.3f} / {r['aligned_heldout']:.3f} | {r['aligned_ppl']:.2f} |")
-    command = "python benchmarks/alignment_generalization.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out")
+    command = command_line("alignment_generalization.py", a)
     lines += ["", f"Command: `{command}`"]
     print("\n" + "\n".join(lines))
     if a.out:

@@ -123,6 +123,18 @@ VARIANTS = [
 ABLATION_KEPT = {"bypass": "layers=0,1,2,16,19,20,23,24", "greedy": "layers=1,2,3,20,21,24,27,28"}
 
 
+def load(teacher: str, device: str):
+    """(device, GDN backend, teacher) as every decision script resolves them: `auto` backend, `auto` dtype."""
+    dev = resolve_device(device)
+    return dev, resolve_backend("auto"), load_teacher(teacher, dev, resolve_dtype("auto", dev))
+
+
+def command_line(script: str, a: argparse.Namespace) -> str:
+    """The command that reproduces a run, from its parsed arguments (--out left out)."""
+    return f"python benchmarks/{script} " + " ".join(
+        f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in vars(a).items() if k != "out" and v is not None)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--teacher", default="smollm2-135m")
@@ -136,9 +148,7 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     prof = PROFILES[a.profile]
-    device = resolve_device(a.device)
-    backend = resolve_backend("auto")
-    teacher = load_teacher(a.teacher, device, resolve_dtype("auto", device))
+    device, backend, teacher = load(a.teacher, a.device)
     model = teacher.model
     n = model.config.num_hidden_layers
     splits = load_splits(CorpusSpec(), teacher.tokenizer, prof["seq_len"], a.calib_seqs or prof["calib_seqs"],
@@ -170,8 +180,7 @@ def main():
     result = {"teacher": a.teacher, "teacher_ppl": teacher_ppl, "profile": a.profile, "steps": a.steps,
               "policy": a.policy, "kept_layers": kept,
               "eval_tokens": int(splits.heldout[:, 1:].numel()), "backend": backend, "device": str(device),
-              "rows": rows, "command": "python benchmarks/decisions.py " + " ".join(
-                  f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in vars(a).items() if k != "out" and v is not None)}
+              "rows": rows, "command": command_line("decisions.py", a)}
     lines = [f"Teacher `{a.teacher}` PPL {teacher_ppl:.3f}; {a.policy} policy (kept {kept}); {a.profile} profile; "
              f"{result['eval_tokens']} held-out tokens.", "",
              "| variant | phase 1 PPL |" + (f" + {a.steps} align steps PPL | rel-MSE after |" if a.steps else ""),
