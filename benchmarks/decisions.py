@@ -35,7 +35,11 @@ VARIANTS = [
     ("readout: lstsq (ridge 1e-3)", "taylor", {"readout": "lstsq"}, {}, {}),
     ("gate: sigmoid", "taylor", {}, {"gate": "sigmoid"}, {}),
     ("output: plain (no norm, no gate)", "taylor", {}, {"output_norm": False, "gate": "none"}, {}),
-    ("short conv: identity", "taylor", {}, {"short_conv": "identity"}, {}),
+    ("short conv: identity", "taylor", {"local_profile": False}, {"short_conv": "identity"}, {}),
+    # the v conv set to the teacher's local attention profile (mean p_{t,t-j}, j < 4), q / k convs identity
+    ("short conv: local profile", "taylor", {}, {"short_conv": "identity"}, {}),
+    ("copy, short conv: identity", "copy", {}, {"short_conv": "identity"}, {}),
+    ("copy, short conv: random", "copy", {}, {"short_conv": "random"}, {}),
     ("v activation: identity", "taylor", {}, {"v_activation": "identity"}, {}),
     ("q/k activation: identity", "taylor", {}, {"qk_activation": "identity"}, {}),
     ("v and q/k activation: identity", "taylor", {}, {"v_activation": "identity", "qk_activation": "identity"}, {}),

@@ -229,6 +229,36 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
     return report
 
 
+class _Staging:
+    """Moves a step's rows to the layer's device. Rows stored in host memory for a CUDA layer (convert.store_device_for:
+    too many for the GPU) are gathered into a few rotating page-locked buffers and copied asynchronously: a copy from
+    pageable memory runs at a fraction of the bus speed and blocks the host (8B shape: phase 2 310 s with host rows
+    against 116 s with GPU rows, benchmarks/results/perf_h200.md). A buffer is reused only after its copy finished."""
+
+    SLOTS = 4
+
+    def __init__(self):
+        self.pool: dict[tuple, list] = {}
+
+    def __call__(self, src: Tensor, rows: Tensor, crop: slice, device: torch.device) -> Tensor:
+        view = src[:, crop]
+        if src.device.type != "cpu" or device.type != "cuda":
+            return view[rows].to(device, non_blocking=True)
+        key = ((len(rows), *view.shape[1:]), src.dtype)
+        slots = self.pool.setdefault(key, [])
+        if len(slots) < self.SLOTS:
+            slots.append([torch.empty(key[0], dtype=src.dtype, pin_memory=True), None])
+        slot = slots.pop(0)
+        if slot[1] is not None:
+            slot[1].synchronize()
+        torch.index_select(view, 0, rows, out=slot[0])
+        out = slot[0].to(device, non_blocking=True)
+        slot[1] = torch.cuda.Event()
+        slot[1].record()
+        slots.append(slot)
+        return out
+
+
 class _LayerState:
     """One layer's trained parameters, evaluation rows, best state and divergence record."""
 
@@ -249,11 +279,9 @@ class _LayerState:
         self.active, self.diverged_at = bool(self.params) and args.steps > 0, None
         self.best_eval, self.best_step, self.best_state, self.current = float("inf"), 0, None, float("nan")
 
-    def batch(self, rows: Tensor, crop: slice) -> tuple[Tensor, Tensor]:
+    def batch(self, rows: Tensor, crop: slice, staging: "_Staging") -> tuple[Tensor, Tensor]:
         """This step's rows (`rows` on the stored data's device) as fp32 on the layer's device."""
-        x = self.x[rows, crop].to(self.device, torch.float32, non_blocking=True)
-        y = self.y[rows, crop].to(self.device, torch.float32, non_blocking=True)
-        return x, y
+        return staging(self.x, rows, crop, self.device).float(), staging(self.y, rows, crop, self.device).float()
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float:
@@ -329,6 +357,7 @@ class _Training:
     def __init__(self, states: list[_LayerState], args: AlignArgs):
         self.states = states
         self.pos = {id(s): i for i, s in enumerate(states)}
+        self.staging = _Staging()
         self.group = len(states) if args.layer_group is None else args.layer_group
         trained = [s for s in states if s.params]
         self.device = trained[0].device if trained else states[0].device
@@ -362,7 +391,7 @@ class _Training:
     def _forward_backward(self, chunk: list[_LayerState], step: int, rows: Tensor, crop: slice) -> None:
         """Forward and backward of `chunk`'s layers with one stacked recurrence; clip each layer's gradient."""
         rows_on = {d: rows.to(d) for d in {s.x.device for s in chunk}}
-        data = [s.batch(rows_on[s.x.device], crop) for s in chunk]
+        data = [s.batch(rows_on[s.x.device], crop, self.staging) for s in chunk]
         m0 = chunk[0].mixer
         if any((s.mixer.num_heads, s.mixer.head_dim, s.mixer.backend) != (m0.num_heads, m0.head_dim, m0.backend)
                for s in chunk):

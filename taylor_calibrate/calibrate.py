@@ -128,6 +128,9 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
             mixer.a_proj.weight.zero_()
         rep["half_life"] = d.tolist()
 
+    if method == "taylor" and args.local_profile and mixer.cfg.short_conv != "none":
+        rep["local_profile"] = _set_local_profile(mixer, st, args).tolist()
+
     if args.write_gate:
         c = concentration(st, args).to(p.device)
         beta_star = args.beta_min + args.beta_span * c
@@ -189,6 +192,24 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
         target = F.linear(y.to(W_O.dtype), W_O)  # teacher attention output minus o_proj's bias
         rep["readout_rel_mse"] = _fit_o_proj(mixer, x, target, args.ridge)
     return rep
+
+
+def _set_local_profile(mixer: GatedDeltaNet, st: LayerStats, args: CalibArgs) -> torch.Tensor:
+    """v conv of head h <- the teacher's mean attention p_{t,t-j} over offsets j < K, renormalised (conv weight
+    index K-1-j multiplies x_{t-j}); q / k convs <- identity. Returns the (H, K) kernel."""
+    K, D = mixer.cfg.conv_size, mixer.head_dim
+    band = st.band_nosink if args.sinks == "drop" else st.band
+    if band is None or band.shape[1] < K:
+        raise ValueError(f"the local profile needs the teacher's attention over {K} offsets; these statistics have "
+                         f"{0 if band is None else band.shape[1]} (collect them with taylor_calibrate.stats)")
+    prof = band[:, :K].float().clamp_min(0)
+    prof = prof / prof.sum(1, keepdim=True).clamp_min(1e-12)
+    w = mixer.v_conv1d.weight  # (H*D, 1, K)
+    w.copy_(prof.flip(1).repeat_interleave(D, dim=0)[:, None, :].to(w))
+    for conv in (mixer.q_conv1d, mixer.k_conv1d):
+        conv.weight.zero_()
+        conv.weight[..., -1] = 1.0
+    return prof
 
 
 def _fit_v_proj(mixer: GatedDeltaNet, x: torch.Tensor, y: torch.Tensor, ridge: float, scale: torch.Tensor) -> dict:

@@ -124,6 +124,10 @@ class CalibArgs:
     output_gate: bool = True
     """Initialise the output gate (paper: alpha * v_proj; taylor: perturbation around the head amplitude, which it
     carries; off: g_proj keeps its library init and the amplitude goes into o_proj)."""
+    local_profile: bool = True
+    """With short convs (--gdn.short_conv identity|random): taylor sets each head's v conv kernel to the teacher's
+    mean attention over the conv's K nearest offsets, p_{t,t-j} for j < K (renormalised), and the q / k convs to
+    identity: the local part of the attention pattern at step 0, which the RoPE-free recurrence cannot express."""
     sinks: str = "drop"
     """Attention sinks in d_h and c_h: "keep" (mass on the first token counts) or "drop" (removed, renormalised)."""
     concentration: str = "abs"

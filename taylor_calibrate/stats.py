@@ -24,6 +24,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from taylor_calibrate.ops import attention_stats
 from taylor_calibrate.ops.attention_stats_torch import attention_stats_naive  # noqa: F401  (public name, the reference)
+from taylor_calibrate.ops.attention_stats_torch import band_probs
+
+BAND = 16
+"""Offsets j = 0..BAND-1 whose mean attention p_{t,t-j} the pass records (the longest short conv GDNConfig allows)."""
 
 _IMPL = "taylor_stats"
 
@@ -42,6 +46,8 @@ class LayerStats:
     concentration_abs_nosink: torch.Tensor  # 1 - H'_t / log(n_t - 1)
     sink_mass: torch.Tensor  # mean_t p_t0
     head_rms: torch.Tensor  # RMS of the teacher head output y_h
+    band: torch.Tensor | None = None  # (H, BAND): mean_t p_{t,t-j}, the local attention profile
+    band_nosink: torch.Tensor | None = None  # the same with key 0's mass removed and rows renormalised
     window: int | None = None
 
 
@@ -62,11 +68,11 @@ class _Collector:
     """Accumulates sums during the teacher pass; the attention function below feeds it.
 
     The pass is host-bound at short lengths (one layer's statistics are a few small tensors), so each layer costs a
-    handful of tensor ops: the per-query quantities are stacked into one (9, B, H, T) tensor and summed in one go,
+    handful of tensor ops: the per-query quantities are stacked into one (9 + 2 BAND, B, H, T) tensor and summed in one go,
     position constants are cached per length, and the sums stay on the device until `finish` reads them all at once."""
 
     def __init__(self, store_layers, block, store_device, backend="auto"):
-        self.sums: dict[int, torch.Tensor] = {}  # (9, H) float64 per layer, `_MEANS` order
+        self.sums: dict[int, torch.Tensor] = {}  # (9 + 2 BAND, H) float64 per layer: `_MEANS`, band, band_nosink
         self.counts: dict[int, torch.Tensor] = {}
         self.windows: dict[int, int | None] = {}
         self.store_layers, self.block, self.store_device = set(store_layers), block, store_device
@@ -88,14 +94,26 @@ class _Collector:
             self._consts[key] = torch.where(torch.stack([n, n0]) > 1, inv, math.nan).float()
         return self._consts[key]
 
+    def band_nosink_factor(self, T, device) -> torch.Tensor:
+        """(BAND, 1, 1, T): 0 where offset j of query t is key 0 (dropped with the sink), NaN at t = 0, else 1."""
+        key = ("band", T, str(device))
+        if key not in self._consts:
+            pos, j = torch.arange(T, device=device), torch.arange(BAND, device=device)[:, None]
+            f = torch.where(pos == j, 0.0, 1.0)
+            f[:, 0] = math.nan
+            self._consts[key] = f[:, None, None, :]
+        return self._consts[key]
+
     def observe(self, module, query, key, out, scaling, window, softcap):
         idx = module.layer_idx
         st = attention_stats(query, key, scaling, window, softcap, self.block, backend=self.backend)  # GQA: k unexpanded
         inv = self.inverse_log_keys(query.shape[2], window, query.device)
         ent, ent0, dist, dist0 = st["entropy"], st["entropy_nosink"], st["distance"], st["distance_nosink"]
         head_sq = out.float().pow(2).mean(-1).transpose(1, 2)  # (B, H, T): out is (B, T, H, D)
-        per_query = torch.stack([dist, torch.add(dist, st["diag"], alpha=0.5), ent,
-                                 1 - ent * inv[0], dist0, ent0, 1 - ent0 * inv[1], st["sink"], head_sq])
+        band = band_probs(query, key, st["lse"], scaling, BAND, window, softcap).permute(3, 0, 1, 2)  # (BAND, B, H, T)
+        per_query = torch.cat([torch.stack([dist, torch.add(dist, st["diag"], alpha=0.5), ent, 1 - ent * inv[0], dist0,
+                                            ent0, 1 - ent0 * inv[1], st["sink"], head_sq]),
+                               band, band * self.band_nosink_factor(query.shape[2], query.device) / (1 - st["sink"])])
         ok = ~torch.isnan(per_query)
         sums = torch.where(ok, per_query, 0.0).sum((1, 3), dtype=torch.float64)
         counts = ok.sum((1, 3), dtype=torch.float64)
@@ -115,10 +133,12 @@ class _Collector:
         means = (torch.stack([self.sums[i] for i in order]) / torch.stack([self.counts[i] for i in order]).clamp_min(1))
         means = means.float().cpu()  # one device -> host copy for every layer and quantity
         layers = {}
+        n = len(_MEANS)
         for idx, m in zip(order, means):
-            mean = dict(zip(_MEANS, m))
+            mean = dict(zip(_MEANS, m[:n]))
             head_rms = mean.pop("head_sq").sqrt()
-            layers[idx] = LayerStats(**mean, head_rms=head_rms, window=self.windows[idx])
+            layers[idx] = LayerStats(**mean, head_rms=head_rms, band=m[n:n + BAND].T.contiguous(),
+                                     band_nosink=m[n + BAND:].T.contiguous(), window=self.windows[idx])
         return layers
 
 

@@ -118,6 +118,44 @@ def test_taylor_half_life_scale(teacher):
         assert report[i]["half_life"] == pytest.approx((0.25 * d).tolist())
 
 
+# ----------------------------------------------------------------------------- taylor: local profile (short conv)
+
+
+@pytest.mark.parametrize("sinks", ["drop", "keep"])
+def test_taylor_local_profile_takes_effect(teacher, sinks):
+    """With short convs, head h's conv output on v is the teacher's mean local attention over the K nearest
+    offsets applied to the values (renormalised), and q / k pass through unchanged."""
+    model, stats = teacher
+    K = 4
+    mixers, report = _calibrated(model, stats, calib=CalibArgs(sinks=sinks),
+                                 gdn=GDNConfig(short_conv="random", conv_size=K))
+    for i, mixer in mixers.items():
+        st = stats.layers[i]
+        band = (st.band_nosink if sinks == "drop" else st.band)[:, :K]
+        prof = band / band.sum(1, keepdim=True)
+        assert (band.sum(1) > 0.05).all() and prof.std(0).max() > 0.01, "profiles must differ for the test to mean it"
+        torch.testing.assert_close(torch.tensor(report[i]["local_profile"]), prof)
+        x = stats.inputs[i][:2]
+        q, k, v = mixer.q_proj(x), mixer.k_proj(x), mixer.v_proj(x)
+        cq, ck, cv = mixer._short_conv(q, k, v, None)
+        torch.testing.assert_close(cq, q)
+        torch.testing.assert_close(ck, k)
+        want = sum(prof[:, j].repeat_interleave(D) * F.pad(v, (0, 0, j, 0))[:, :v.shape[1]] for j in range(K))
+        torch.testing.assert_close(cv, want, rtol=1e-5, atol=1e-6)
+
+
+def test_local_profile_off_keeps_the_library_conv(teacher):
+    model, stats = teacher
+    gdn = GDNConfig(short_conv="identity")
+    on, _ = _calibrated(model, stats, gdn=gdn)
+    off, report = _calibrated(model, stats, calib=CalibArgs(local_profile=False), gdn=gdn)
+    for i in LAYERS:
+        assert "local_profile" not in report[i]
+        w = off[i].v_conv1d.weight
+        assert torch.equal(w[..., -1], torch.ones_like(w[..., -1])) and not w[..., :-1].any()
+        assert not torch.equal(on[i].v_conv1d.weight, w)
+
+
 # ----------------------------------------------------------------------------- taylor: write gate
 
 

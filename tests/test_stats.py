@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from conftest import ARCHS, one_thread, tiny_teacher
 
 from taylor_calibrate.convert import attention_targets
-from taylor_calibrate.stats import attention_stats, attention_stats_naive, collect_stats
-
-OUTPUTS = ("entropy", "distance", "diag", "sink", "entropy_nosink", "distance_nosink")
+from taylor_calibrate.ops.attention_stats_torch import OUTPUTS, band_probs
+from taylor_calibrate.stats import BAND, attention_stats, attention_stats_naive, collect_stats
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -45,6 +44,27 @@ def test_online_equals_materialised(T, block, window, softcap):
     scale = q.shape[-1] ** -0.5
     _assert_same(attention_stats(q, k, scale, window, softcap, block),
                  attention_stats_naive(q, k, scale, window, softcap))
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_band_probs_are_the_diagonals_of_the_attention_matrix(window, softcap):
+    """p_{t,t-j} from the streamed log-normaliser equals the materialised probabilities' j-th sub-diagonal (GQA)."""
+    q, k = _qk(20, H=4)
+    k = k[:, :2]
+    scale, width = 0.4, 6
+    got = band_probs(q, k, attention_stats(q, k, scale, window, softcap, block=8)["lse"], scale, width, window, softcap)
+    kk = k.double().repeat_interleave(2, dim=1)
+    s = q.double() @ kk.transpose(-1, -2) * scale
+    s = torch.tanh(s / softcap) * softcap if softcap else s
+    dist = torch.arange(20)[:, None] - torch.arange(20)[None, :]
+    visible = (dist >= 0) & (dist < (window or 10 ** 9))
+    p = torch.softmax(s.masked_fill(~visible, -math.inf), -1)
+    want = torch.zeros(*p.shape[:3], width, dtype=torch.float64)
+    for j in range(width):
+        want[:, :, j:, j] = p.diagonal(-j, dim1=-2, dim2=-1)
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-6)
+    assert got.sum(-1).le(1 + 1e-5).all()
 
 
 def test_nan_only_where_no_non_sink_key_exists():
@@ -145,7 +165,15 @@ def _truth(P: torch.Tensor) -> dict[str, torch.Tensor]:
         return (torch.where(ok, v, 0.0).sum((0, 2)) / ok.sum((0, 2))).float()
 
     has0 = n0 >= 1
+    band = torch.zeros(*P.shape[:3], BAND, dtype=P.dtype)  # p_{t,t-j}: the j-th sub-diagonal
+    band0 = torch.zeros_like(band)  # the same from the sink-dropped rows (key 0 itself: 0)
+    P0_full = torch.cat([torch.zeros_like(P[..., :1]), P0], -1)
+    for j in range(min(BAND, T_)):
+        band[..., j:, j] = P.diagonal(-j, dim1=-2, dim2=-1)
+        band0[..., j:, j] = P0_full.diagonal(-j, dim1=-2, dim2=-1)
     return {
+        "band": _mean_band(band, None),
+        "band_nosink": _mean_band(band0, has0),
         "distance": mean((P * dist).sum(-1)),
         "distance_floored": mean((P * dist.clamp_min(0.5)).sum(-1)),
         "entropy": mean(H),
@@ -155,6 +183,12 @@ def _truth(P: torch.Tensor) -> dict[str, torch.Tensor]:
         "concentration_abs_nosink": mean(1 - H0 / torch.log(n0.clamp_min(2)), n0 > 1),
         "sink_mass": mean(P[..., 0]),
     }
+
+
+def _mean_band(band, ok):
+    """(B, H, T, W) -> (H, W) mean over batch and queries (queries where `ok` is False skipped)."""
+    ok = torch.ones(band.shape[:3], dtype=torch.bool) if ok is None else ok
+    return (torch.where(ok[..., None], band, 0.0).sum((0, 2)) / ok.sum((0, 2))[:, None]).float()
 
 
 @pytest.fixture(scope="module", params=ARCHS)

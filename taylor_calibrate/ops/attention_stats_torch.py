@@ -5,6 +5,7 @@ W: key s visible iff 0 <= t - s < W, optional tanh softcap of the scores):
 
     entropy  H_t = -sum_s p_ts log p_ts        distance  E[t-s] = sum_s p_ts (t - s)
     diag     p_tt                              sink      p_t0
+    lse      log sum_s e^(score_ts): any single p_ts = exp(score_ts - lse_t) afterwards (`band_probs`)
     entropy_nosink, distance_nosink: the same with key 0's mass removed and the row renormalised (NaN at t = 0)
 
 `attention_stats` streams over key blocks with online-softmax accumulators (running max m, l = sum e^(x-m),
@@ -18,7 +19,7 @@ import math
 
 import torch
 
-OUTPUTS = ("entropy", "distance", "diag", "sink", "entropy_nosink", "distance_nosink")
+OUTPUTS = ("entropy", "distance", "diag", "sink", "entropy_nosink", "distance_nosink", "lse")
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, window: int | None, softcap: float | None) -> int:
@@ -53,8 +54,8 @@ def attention_stats(q, k, scale: float, window: int | None = None, softcap: floa
 
     q: (B, H, T, D), k: (B, Hkv, T, D) with Hkv dividing H (GQA; expanded here). Returns (B, H, T) fp32 tensors:
     `entropy`, `distance` (E[t-s]), `diag` (p_tt), `sink` (p_t0), and their sink-dropped versions
-    `entropy_nosink`, `distance_nosink` (mass on key 0 removed, rows renormalised; NaN at t = 0).
-    `window` = sliding window W (key s visible iff 0 <= t - s < W), as transformers defines it.
+    `entropy_nosink`, `distance_nosink` (mass on key 0 removed, rows renormalised; NaN at t = 0), and `lse` (the
+    row's log-normaliser). `window` = sliding window W (key s visible iff 0 <= t - s < W), as transformers defines it.
     """
     k = expand_kv(k, check_inputs(q, k, window, softcap))
     B, H, T, _ = q.shape
@@ -100,6 +101,7 @@ def attention_stats(q, k, scale: float, window: int | None = None, softcap: floa
         out["sink"][:, :, sl] = e_sink / lf
         out["entropy_nosink"][:, :, sl] = torch.log(l) - A / l  # NaN at t = 0 (no non-sink key)
         out["distance_nosink"][:, :, sl] = Bd / l
+        out["lse"][:, :, sl] = m + torch.log(lf)
     out["entropy_nosink"][:, :, 0] = math.nan
     out["distance_nosink"][:, :, 0] = math.nan
     return out
@@ -121,7 +123,23 @@ def attention_stats_naive(q, k, scale: float, window: int | None = None, softcap
     p0 = p0 / p0.sum(-1, keepdim=True)  # row 0 has no non-sink key: NaN, as in the streamed version
     plogp0 = torch.where(p0 > 0, p0 * torch.log(p0.clamp_min(1e-300)), 0.0)
     out = {"entropy": -plogp.sum(-1), "distance": (p * dist).sum(-1), "diag": p.diagonal(dim1=-2, dim2=-1),
-           "sink": p[..., 0], "entropy_nosink": -plogp0.sum(-1), "distance_nosink": (p0 * dist[:, 1:]).sum(-1)}
+           "sink": p[..., 0], "entropy_nosink": -plogp0.sum(-1), "distance_nosink": (p0 * dist[:, 1:]).sum(-1),
+           "lse": torch.logsumexp(s.masked_fill(~visible, -math.inf), -1)}
     out["entropy_nosink"][..., 0] = math.nan
     out["distance_nosink"][..., 0] = math.nan
     return {k_: v.float() for k_, v in out.items()}
+
+
+def band_probs(q, k, lse: torch.Tensor, scale: float, width: int, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+    """p_{t, t-j} for the `width` nearest offsets j = 0..width-1 of every query, from its log-normaliser `lse` (an
+    output of `attention_stats`): (B, H, T, width) fp32, 0 where key t-j does not exist or is outside the window.
+    `width` dot products per query: the local attention profile that phase 1 puts into the short conv on v."""
+    k = expand_kv(k, check_inputs(q, k, window, softcap))
+    T = q.shape[2]
+    q, k = q.float(), k.float()
+    out = torch.zeros(*lse.shape, width, device=q.device)
+    for j in range(min(width, T) if window is None else min(width, T, window)):
+        s = _scores(q[:, :, j:].unsqueeze(-2), k[:, :, :T - j].unsqueeze(-2), scale, softcap)[..., 0, 0]
+        out[:, :, j:, j] = torch.exp(s - lse[:, :, j:])
+    return out

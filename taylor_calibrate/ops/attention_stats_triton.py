@@ -101,7 +101,7 @@ def _key_block(q, k_base, stride_kt, stride_kd, start_n, rows, cols0, dims, dim_
 
 @triton.jit
 def _attention_stats_kernel(
-    Q, K, Out,  # q (B, H, T, D), k (B, Hkv, T, D), any strides; Out (6, B, H, T) fp32 contiguous
+    Q, K, Out,  # q (B, H, T, D), k (B, Hkv, T, D), any strides; Out (7, B, H, T) fp32 contiguous
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     H, T, GROUPS, PLANE,  # GROUPS = H // Hkv, PLANE = B * H * T (Out[i] holds output OUTPUTS[i])
@@ -184,6 +184,7 @@ def _attention_stats_kernel(
     tl.store(o + 3 * plane, e0 / lf, mask=row_ok)  # sink
     tl.store(o + 4 * plane, ent_nosink, mask=row_ok)  # entropy_nosink
     tl.store(o + 5 * plane, dist_nosink, mask=row_ok)  # distance_nosink
+    tl.store(o + 6 * plane, big + tl.log(lf), mask=row_ok)  # lse
 
 
 def _interpreting() -> bool:
