@@ -202,8 +202,11 @@ def _set_local_profile(mixer: GatedDeltaNet, st: LayerStats, args: CalibArgs) ->
     if band is None or band.shape[1] < K:
         raise ValueError(f"the local profile needs the teacher's attention over {K} offsets; these statistics have "
                          f"{0 if band is None else band.shape[1]} (collect them with taylor_calibrate.stats)")
-    prof = band[:, :K].float().clamp_min(0)
-    prof = prof / prof.sum(1, keepdim=True).clamp_min(1e-12)
+    prof = band[:, :K].float().nan_to_num(0.0).clamp_min(0)
+    total = prof.sum(1, keepdim=True)
+    identity = torch.zeros_like(prof)
+    identity[:, 0] = 1.0
+    prof = torch.where(total > 1e-6, prof / total.clamp_min(1e-6), identity)  # no local mass: identity kernel
     w = mixer.v_conv1d.weight  # (H*D, 1, K)
     w.copy_(prof.flip(1).repeat_interleave(D, dim=0)[:, None, :].to(w))
     for conv in (mixer.q_conv1d, mixer.k_conv1d):

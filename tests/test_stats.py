@@ -105,6 +105,27 @@ def test_dominant_sink_keeps_sink_dropped_statistics():
     torch.testing.assert_close(st["entropy_nosink"][0, 0, 1:], torch.log(t))
 
 
+def test_band_of_a_sink_head_stays_finite():
+    """A head whose sink takes all but ~1e-9 of the mass: 1 - p_t0 is rounding noise in fp32, so its sink-dropped band
+    would be inf; those queries are left out of the band's mean instead, and the other head is unaffected."""
+    from types import SimpleNamespace
+
+    from taylor_calibrate.stats import _Collector
+
+    T = 8
+    q, k = torch.zeros(1, 2, T, 2), torch.zeros(1, 2, T, 2)
+    q[..., 0] = 1.0
+    k[0, 0, 0, 0] = 20.0  # head 0: sink score 20 vs 0 elsewhere
+    col = _Collector([], block=4, store_device="cpu", backend="torch")
+    col.observe(SimpleNamespace(layer_idx=0), q, k, torch.zeros(1, T, 2, 2), 1.0, None, None)
+    st = col.finish()[0]
+    assert torch.isfinite(st.band).all() and torch.isfinite(st.band_nosink).all()
+    assert st.sink_mass[0] > 0.99
+    t = torch.arange(1, T).float()  # head 1: uniform over t+1 keys; without the sink, 1/t on each of the others
+    want = torch.stack([torch.where(t > j, 1 / t, 0.0).mean() for j in range(3)])
+    torch.testing.assert_close(st.band_nosink[1, :3], want)
+
+
 def test_known_values_uniform_attention():
     """q = 0: uniform attention over the t+1 visible keys: H = log(t+1), E[t-s] = t/2, p_t0 = 1/(t+1)."""
     T = 11
