@@ -12,6 +12,7 @@ import argparse
 import json
 import shlex
 import time
+from dataclasses import asdict
 
 from taylor_calibrate.align import align_layers
 from taylor_calibrate.config import AlignArgs, CalibArgs, GDNConfig, PROFILES
@@ -29,6 +30,11 @@ from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 VARIANTS = [
     ("copy", "copy", {}, {}, {}),
     ("taylor (default)", "taylor", {}, {}, {}),
+    # without the short conv (the defaults until 2026-11-30: rows of older files named "copy" / "taylor (default)")
+    ("copy, no conv", "copy", {}, {"short_conv": "none"}, {}),
+    ("taylor, no conv", "taylor", {}, {"short_conv": "none"}, {}),
+    ("taylor, far half-life", "taylor", {"far_half_life": True}, {}, {}),
+    ("taylor, 100 steps", "taylor", {}, {}, {"steps": 100}),
     ("sinks: keep", "taylor", {"sinks": "keep"}, {}, {}),
     ("concentration: minmax", "taylor", {"concentration": "minmax"}, {}, {}),
     ("readout: lstsq (ridge 0.1)", "taylor", {"readout": "lstsq", "ridge": 0.1}, {}, {}),
@@ -170,7 +176,8 @@ def main():
                                       backend)
         with swapped_into(model, mixers):
             p1 = perplexity(model, splits.heldout)["ppl"]
-        row = {"variant": name, "init": method, "calib": calib_kw, "gdn": gdn_kw, "align": align_kw, "phase1_ppl": p1}
+        row = {"variant": name, "init": method, "calib": calib_kw, "gdn": gdn_kw, "align": align_kw,
+               "gdn_config": asdict(GDNConfig(**gdn_kw)), "phase1_ppl": p1}
         if a.steps:
             rep = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets,
                                AlignArgs(**{"steps": a.steps, "batch_size": prof["align_batch_size"],

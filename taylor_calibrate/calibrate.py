@@ -115,8 +115,18 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
     u = xf @ dvec  # (tokens,)
     fan_in = mixer.b_proj.weight.shape[1]
 
+    profile = method == "taylor" and args.local_profile and mixer.cfg.short_conv != "none"
+    if profile:
+        rep["local_profile"] = _set_local_profile(mixer, st, args).tolist()
+    elif method == "paper" and mixer.cfg.short_conv != "none":  # the reference has no conv: identity = its layer
+        for conv in (mixer.q_conv1d, mixer.k_conv1d, mixer.v_conv1d):
+            conv.weight.zero_()
+            conv.weight[..., -1] = 1.0
+
     if args.decay:  # memory halves after d_h tokens: softplus(dt_bias) = ln 2 / d_h with A_log = 0
         d = distance(st, args, floored=(method == "paper")).to(p.device)
+        if profile and args.far_half_life:  # the conv covers offsets < K: the recurrence carries the rest
+            d = _far_distance(st, args, mixer.cfg.conv_size).to(p.device)
         if method == "taylor":
             d = d * args.half_life_scale
         rate = math.log(2) / d
@@ -127,9 +137,6 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
         if method == "taylor":
             mixer.a_proj.weight.zero_()
         rep["half_life"] = d.tolist()
-
-    if method == "taylor" and args.local_profile and mixer.cfg.short_conv != "none":
-        rep["local_profile"] = _set_local_profile(mixer, st, args).tolist()
 
     if args.write_gate:
         c = concentration(st, args).to(p.device)
@@ -213,6 +220,14 @@ def _set_local_profile(mixer: GatedDeltaNet, st: LayerStats, args: CalibArgs) ->
         conv.weight.zero_()
         conv.weight[..., -1] = 1.0
     return prof
+
+
+def _far_distance(st: LayerStats, args: CalibArgs, K: int) -> torch.Tensor:
+    """Mean distance of the attention mass at offsets >= K: (d_h - sum_{j<K} j b_j) / (1 - sum_{j<K} b_j)."""
+    band = (st.band_nosink if args.sinks == "drop" else st.band)[:, :K].float().nan_to_num(0.0)
+    near = band @ torch.arange(K, dtype=torch.float32)
+    far = (1 - band.sum(1)).clamp_min(1e-3)
+    return ((distance(st, args).float() - near) / far).clamp_min(float(K))
 
 
 def _fit_v_proj(mixer: GatedDeltaNet, x: torch.Tensor, y: torch.Tensor, ridge: float, scale: torch.Tensor) -> dict:

@@ -26,9 +26,13 @@ class GDNConfig:
     Head count and head dim are not options: they are the teacher's (num_heads = query heads, expand_v = 1).
     """
 
-    short_conv: str = "none"
-    """Short causal conv on q/k/v: "none" (SiLU on q/k/v, as the reference), "identity" (identity-initialised
-    depthwise conv then SiLU, fla-compatible), "random" (fla's default init)."""
+    short_conv: str = "random"
+    """Short causal depthwise conv on q/k/v (fla's `use_short_conv`, on by default there) and its library init, which
+    the `copy` / `zero_gate` baselines keep: "random" (fla's: nn.Conv1d's default), "identity", or "none" (no conv:
+    SiLU on q/k/v, as the reference). `taylor` sets the convs itself (v: the teacher's local attention profile, q/k:
+    identity; --calib.local_profile), `paper` to identity (the reference's conv-free layer at step 0). With convs,
+    taylor + alignment: 4.20 / 4.55 / 4.68 PPL on uniform / bypass / greedy against 4.54 / 4.71 / 5.11 without
+    (H200, docs/decisions.md)."""
     conv_size: int = 4
     """Kernel size of the short convolution."""
     qk_activation: str = "silu"
@@ -124,6 +128,9 @@ class CalibArgs:
     output_gate: bool = True
     """Initialise the output gate (paper: alpha * v_proj; taylor: perturbation around the head amplitude, which it
     carries; off: g_proj keeps its library init and the amplitude goes into o_proj)."""
+    far_half_life: bool = False
+    """With the local profile in the v conv: the decay's half-life is the mean distance of the attention mass beyond
+    the conv's reach, (d_h - sum_{j<K} j b_j) / (1 - sum_{j<K} b_j), instead of d_h (b_j = mean p_{t,t-j})."""
     local_profile: bool = True
     """With short convs (--gdn.short_conv identity|random): taylor sets each head's v conv kernel to the teacher's
     mean attention over the conv's K nearest offsets, p_{t,t-j} for j < K (renormalised), and the q / k convs to

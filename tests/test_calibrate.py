@@ -144,6 +144,31 @@ def test_taylor_local_profile_takes_effect(teacher, sinks):
         torch.testing.assert_close(cv, want, rtol=1e-5, atol=1e-6)
 
 
+def test_taylor_far_half_life(teacher):
+    """far_half_life: the decay halves memory after the mean distance of the mass beyond the conv's K offsets."""
+    model, stats = teacher
+    K = 4
+    mixers, report = _calibrated(model, stats, calib=CalibArgs(far_half_life=True), gdn=GDNConfig(conv_size=K))
+    for i, mixer in mixers.items():
+        st = stats.layers[i]
+        b = st.band_nosink[:, :K]
+        want = ((distance(st, CalibArgs()) - b @ torch.arange(K).float()) / (1 - b.sum(1))).clamp_min(K)
+        assert (want > distance(st, CalibArgs())).all()  # removing the near mass lengthens the mean reach
+        gamma = mixer.features(stats.inputs[i][:1])[3][0, 0].exp()
+        torch.testing.assert_close(gamma ** want, torch.full((H,), 0.5), rtol=0, atol=1e-4)
+
+
+def test_paper_convs_are_identity_so_its_layer_is_the_references(teacher):
+    """The reference has no short conv: with convs on, paper's layer computes exactly what the conv-free one does."""
+    model, stats = teacher
+    conv, _ = _calibrated(model, stats, method="paper", gdn=GDNConfig(short_conv="random"))
+    none, _ = _calibrated(model, stats, method="paper", gdn=GDNConfig(short_conv="none"))
+    for i in LAYERS:
+        x = stats.inputs[i][:2]
+        with torch.no_grad():
+            torch.testing.assert_close(conv[i](x)[0], none[i](x)[0])
+
+
 def test_local_profile_off_keeps_the_library_conv(teacher):
     model, stats = teacher
     gdn = GDNConfig(short_conv="identity")
@@ -299,7 +324,7 @@ def test_value_fit_recovers_the_v_proj_that_made_the_targets(teacher):
     """The readout is linear in v_proj, so targets made by a known v_proj (and bias) times a per-head scale are fitted
     exactly back to that v_proj at a vanishing ridge."""
     model, stats = teacher
-    mixer = _calibrated(model, stats, gdn=GDNConfig())[0][LAYERS[0]]
+    mixer = _calibrated(model, stats, gdn=GDNConfig(short_conv="none"))[0][LAYERS[0]]
     mixer.v_proj.bias = torch.nn.Parameter(torch.zeros(H * D))  # the bias column of the fit too (Qwen2's layers)
     x = stats.inputs[LAYERS[0]]
     w_star = torch.randn_like(mixer.v_proj.weight) * mixer.v_proj.weight.std()
@@ -322,7 +347,8 @@ def test_value_fit_lowers_the_head_error_and_keeps_w_o(teacher):
     """readout "value": each head's readout moves toward its teacher head output (W_O stays the teacher's, up to
     sigma's per-head column signs), and sigma_h still takes effect afterwards (LS factor 1)."""
     model, stats = teacher
-    mixers, report = _calibrated(model, stats, calib=CalibArgs(readout="value", ridge=1e-2))
+    mixers, report = _calibrated(model, stats, calib=CalibArgs(readout="value", ridge=1e-2),
+                                 gdn=GDNConfig(short_conv="none"))
     for i, mixer in mixers.items():
         attn = model.model.layers[i].self_attn
         assert report[i]["value_fit_rel_mse"]["after"] < report[i]["value_fit_rel_mse"]["before"]
