@@ -505,11 +505,12 @@ def generation_row(model, B, ctx, steps, vocab, device):
             "decode_peak_mb": mb(decode_peak), "cache_bytes_per_seq": per_seq}
 
 
-def analytic_cache_bytes(cfg, n_attn: int, n_gdn: int, ctx: int, kv_bytes: int) -> int:
-    """Per sequence: K and V (Hkv x D per token) of every attention layer, an fp32 H x D x D state per GDN layer
-    (no short conv by default: no conv state)."""
-    D = cfg.head_dim
-    return n_attn * 2 * cfg.num_key_value_heads * D * ctx * kv_bytes + n_gdn * cfg.num_attention_heads * D * D * 4
+def analytic_cache_bytes(cfg, n_attn: int, n_gdn: int, ctx: int, kv_bytes: int, gdn: GDNConfig) -> int:
+    """Per sequence: K and V (Hkv x D per token) of every attention layer; per GDN layer an fp32 H x D x D state and,
+    with short convs, the last K-1 inputs of the q, k and v convs (3 H D channels, model dtype)."""
+    D, H = cfg.head_dim, cfg.num_attention_heads
+    conv = 0 if gdn.short_conv == "none" else 3 * H * D * (gdn.conv_size - 1) * kv_bytes
+    return n_attn * 2 * cfg.num_key_value_heads * D * ctx * kv_bytes + n_gdn * (H * D * D * 4 + conv)
 
 
 def part_inference(a, device, dtype, res, save):
@@ -534,9 +535,9 @@ def part_inference(a, device, dtype, res, save):
                 except torch.OutOfMemoryError as e:
                     rows[name] = {"error": f"OOM: {str(e).splitlines()[0]}"}
                 free(device)
-            rows["teacher_cache_bytes_analytic"] = analytic_cache_bytes(cfg, n, 0, ctx, kv_bytes)
+            rows["teacher_cache_bytes_analytic"] = analytic_cache_bytes(cfg, n, 0, ctx, kv_bytes, GDNConfig())
             rows["hybrid_cache_bytes_analytic"] = analytic_cache_bytes(cfg, n - len(converted), len(converted), ctx,
-                                                                       kv_bytes)
+                                                                       kv_bytes, GDNConfig())
             t, h = rows["teacher"], rows["hybrid"]
             rows["prefill_speedup"] = ratio(t.get("prefill_s"), h.get("prefill_s"))
             rows["decode_speedup"] = ratio(t.get("decode_s"), h.get("decode_s"))
@@ -709,13 +710,14 @@ def static_decode_error(model, ctx, steps, vocab, device) -> dict:
     errors = {}
     for graph in (False, True) if device.type == "cuda" else (False,):
         cache, tok0 = prefilled_static_cache(model, ids, static_len(ctx, steps), 2)
-        saved = {i: {k: v.clone() for k, v in layer.recurrent_states.items() if v is not None}
+        saved = {i: [(states, k, v.clone()) for states in (layer.recurrent_states, layer.conv_states)
+                     for k, v in states.items() if v is not None]
                  for i, layer in enumerate(cache.layers) if hasattr(layer, "recurrent_states")}
         dec = static_decoder(model, cache, tok0, ctx, device, graph)
         for i, layer in enumerate(cache.layers):  # rewind what the capture's warm-up decoded (later KV is masked)
-            if i in saved:
-                for k, v in saved[i].items():
-                    layer.recurrent_states[k].copy_(v)
+            if i in saved:  # recurrent and short-conv states
+                for states, k, v in saved[i]:
+                    states[k].copy_(v)
             else:
                 layer.cumulative_length.fill_(ctx)
         dec.pos.fill_(ctx)
