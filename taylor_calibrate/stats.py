@@ -110,12 +110,15 @@ class _Collector:
         inv = self.inverse_log_keys(query.shape[2], window, query.device)
         ent, ent0, dist, dist0 = st["entropy"], st["entropy_nosink"], st["distance"], st["distance_nosink"]
         head_sq = out.float().pow(2).mean(-1).transpose(1, 2)  # (B, H, T): out is (B, T, H, D)
-        # mass off the sink; where it is below fp32's resolution near 1 the renormalised band is noise: dropped (NaN)
-        rest = torch.where(st["sink"] < 1 - 1e-4, 1 - st["sink"], math.nan)
         band = band_probs(query, key, st["lse"], scaling, BAND, window, softcap).permute(3, 0, 1, 2)  # (BAND, B, H, T)
+        # sink-dropped: from the non-sink log-normaliser (not p / (1 - p_t0), which is fp32 noise when the sink takes
+        # nearly all the mass); key 0 itself -> 0, t = 0 (no other key) -> NaN, skipped by the means
+        f = self.band_nosink_factor(query.shape[2], query.device)
+        band0 = band_probs(query, key, st["lse_nosink"], scaling, BAND, window, softcap).permute(3, 0, 1, 2)
+        band0 = torch.where(f == 0, 0.0, band0 * f)
         per_query = torch.cat([torch.stack([dist, torch.add(dist, st["diag"], alpha=0.5), ent, 1 - ent * inv[0], dist0,
                                             ent0, 1 - ent0 * inv[1], st["sink"], head_sq]),
-                               band, band * self.band_nosink_factor(query.shape[2], query.device) / rest])
+                               band, band0])
         ok = ~torch.isnan(per_query)
         sums = torch.where(ok, per_query, 0.0).sum((1, 3), dtype=torch.float64)
         counts = ok.sum((1, 3), dtype=torch.float64)

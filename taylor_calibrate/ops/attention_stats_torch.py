@@ -6,6 +6,7 @@ W: key s visible iff 0 <= t - s < W, optional tanh softcap of the scores):
     entropy  H_t = -sum_s p_ts log p_ts        distance  E[t-s] = sum_s p_ts (t - s)
     diag     p_tt                              sink      p_t0
     lse      log sum_s e^(score_ts): any single p_ts = exp(score_ts - lse_t) afterwards (`band_probs`)
+    lse_nosink  the same over keys s >= 1 (NaN at t = 0): the sink-dropped p'_ts = exp(score_ts - lse_nosink_t)
     entropy_nosink, distance_nosink: the same with key 0's mass removed and the row renormalised (NaN at t = 0)
 
 `attention_stats` streams over key blocks with online-softmax accumulators (running max m, l = sum e^(x-m),
@@ -19,7 +20,7 @@ import math
 
 import torch
 
-OUTPUTS = ("entropy", "distance", "diag", "sink", "entropy_nosink", "distance_nosink", "lse")
+OUTPUTS = ("entropy", "distance", "diag", "sink", "entropy_nosink", "distance_nosink", "lse", "lse_nosink")
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, window: int | None, softcap: float | None) -> int:
@@ -54,8 +55,8 @@ def attention_stats(q, k, scale: float, window: int | None = None, softcap: floa
 
     q: (B, H, T, D), k: (B, Hkv, T, D) with Hkv dividing H (GQA; expanded here). Returns (B, H, T) fp32 tensors:
     `entropy`, `distance` (E[t-s]), `diag` (p_tt), `sink` (p_t0), and their sink-dropped versions
-    `entropy_nosink`, `distance_nosink` (mass on key 0 removed, rows renormalised; NaN at t = 0), and `lse` (the
-    row's log-normaliser). `window` = sliding window W (key s visible iff 0 <= t - s < W), as transformers defines it.
+    `entropy_nosink`, `distance_nosink` (mass on key 0 removed, rows renormalised; NaN at t = 0), and `lse` /
+    `lse_nosink` (the row's log-normaliser over all keys / keys s >= 1). `window` = sliding window W (key s visible iff 0 <= t - s < W), as transformers defines it.
     """
     k = expand_kv(k, check_inputs(q, k, window, softcap))
     B, H, T, _ = q.shape
@@ -102,8 +103,10 @@ def attention_stats(q, k, scale: float, window: int | None = None, softcap: floa
         out["entropy_nosink"][:, :, sl] = torch.log(l) - A / l  # NaN at t = 0 (no non-sink key)
         out["distance_nosink"][:, :, sl] = Bd / l
         out["lse"][:, :, sl] = m + torch.log(lf)
+        out["lse_nosink"][:, :, sl] = m + torch.log(l)
     out["entropy_nosink"][:, :, 0] = math.nan
     out["distance_nosink"][:, :, 0] = math.nan
+    out["lse_nosink"][:, :, 0] = math.nan
     return out
 
 
@@ -124,9 +127,11 @@ def attention_stats_naive(q, k, scale: float, window: int | None = None, softcap
     plogp0 = torch.where(p0 > 0, p0 * torch.log(p0.clamp_min(1e-300)), 0.0)
     out = {"entropy": -plogp.sum(-1), "distance": (p * dist).sum(-1), "diag": p.diagonal(dim1=-2, dim2=-1),
            "sink": p[..., 0], "entropy_nosink": -plogp0.sum(-1), "distance_nosink": (p0 * dist[:, 1:]).sum(-1),
-           "lse": torch.logsumexp(s.masked_fill(~visible, -math.inf), -1)}
+           "lse": torch.logsumexp(s.masked_fill(~visible, -math.inf), -1),
+           "lse_nosink": torch.logsumexp(s[..., 1:].masked_fill(~visible[:, 1:], -math.inf), -1)}
     out["entropy_nosink"][..., 0] = math.nan
     out["distance_nosink"][..., 0] = math.nan
+    out["lse_nosink"][..., 0] = math.nan
     return {k_: v.float() for k_, v in out.items()}
 
 

@@ -101,7 +101,7 @@ def _key_block(q, k_base, stride_kt, stride_kd, start_n, rows, cols0, dims, dim_
 
 @triton.jit
 def _attention_stats_kernel(
-    Q, K, Out,  # q (B, H, T, D), k (B, Hkv, T, D), any strides; Out (7, B, H, T) fp32 contiguous
+    Q, K, Out,  # q (B, H, T, D), k (B, Hkv, T, D), any strides; Out (8, B, H, T) fp32 contiguous
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     H, T, GROUPS, PLANE,  # GROUPS = H // Hkv, PLANE = B * H * T (Out[i] holds output OUTPUTS[i])
@@ -185,6 +185,7 @@ def _attention_stats_kernel(
     tl.store(o + 4 * plane, ent_nosink, mask=row_ok)  # entropy_nosink
     tl.store(o + 5 * plane, dist_nosink, mask=row_ok)  # distance_nosink
     tl.store(o + 6 * plane, big + tl.log(lf), mask=row_ok)  # lse
+    tl.store(o + 7 * plane, tl.where(rows == 0, nan, m_i + tl.log(l_i)), mask=row_ok)  # lse_nosink
 
 
 def _interpreting() -> bool:
