@@ -6,7 +6,8 @@ Two versions, every step switchable for ablations:
   decay a_proj = 0 so the half-life is exactly d_h; the *mean* write gate equals beta*_h (solved on the calibration
   inputs, not just the logits' spread); the per-head amplitude sigma_h reaches the output (through the gate's
   mean when a per-head norm would cancel it, else through o_proj); the output gate is a small perturbation around
-  that amplitude.
+  that amplitude; with short convs, each head's v conv holds the teacher's local attention profile (mean p_{t,t-j}
+  over the conv's offsets), the part of the pattern a RoPE-free recurrence cannot express.
 Baselines: `copy` (weight copy, library-default dynamics) and `zero_gate` (g_proj = 0).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from taylor_calibrate.config import CalibArgs
-from taylor_calibrate.model.gdn import GatedDeltaNet
+from taylor_calibrate.model.gdn import GatedDeltaNet, identity_conv_
 from taylor_calibrate.ops import gated_delta_rule
 from taylor_calibrate.stats import LayerStats
 
@@ -120,8 +121,7 @@ def calibrate_layer(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
         rep["local_profile"] = _set_local_profile(mixer, st, args).tolist()
     elif method == "paper" and mixer.cfg.short_conv != "none":  # the reference has no conv: identity = its layer
         for conv in (mixer.q_conv1d, mixer.k_conv1d, mixer.v_conv1d):
-            conv.weight.zero_()
-            conv.weight[..., -1] = 1.0
+            identity_conv_(conv)
 
     if args.decay:  # memory halves after d_h tokens: softplus(dt_bias) = ln 2 / d_h with A_log = 0
         d = distance(st, args, floored=(method == "paper")).to(p.device)
@@ -217,8 +217,7 @@ def _set_local_profile(mixer: GatedDeltaNet, st: LayerStats, args: CalibArgs) ->
     w = mixer.v_conv1d.weight  # (H*D, 1, K)
     w.copy_(prof.flip(1).repeat_interleave(D, dim=0)[:, None, :].to(w))
     for conv in (mixer.q_conv1d, mixer.k_conv1d):
-        conv.weight.zero_()
-        conv.weight[..., -1] = 1.0
+        identity_conv_(conv)
     return prof
 
 

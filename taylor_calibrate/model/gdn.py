@@ -149,6 +149,13 @@ def copy_attention_weights(gdn: GatedDeltaNet, attn: nn.Module, num_kv_heads: in
 
 
 @torch.no_grad()
+def identity_conv_(conv: nn.Conv1d) -> None:
+    """A causal conv that passes its input through: weight 1 on the current token (last tap), 0 elsewhere."""
+    conv.weight.zero_()
+    conv.weight[..., -1] = 1.0
+
+
+@torch.no_grad()
 def init_recurrent_defaults(gdn: GatedDeltaNet, generator: torch.Generator) -> None:
     """fla's default init of the new parameters: A ~ U(0, 16), dt ~ logU(1e-3, 1e-1) through softplus^-1,
     xavier-uniform(gain 2^-2.5) gates, identity or default conv, unit o_norm."""
@@ -169,8 +176,7 @@ def init_recurrent_defaults(gdn: GatedDeltaNet, generator: torch.Generator) -> N
     if gdn.cfg.short_conv != "none":
         for conv in (gdn.q_conv1d, gdn.k_conv1d, gdn.v_conv1d):
             if gdn.cfg.short_conv == "identity":
-                conv.weight.zero_()
-                conv.weight[..., -1] = 1.0
+                identity_conv_(conv)
             else:  # nn.Conv1d's default: U(-1/sqrt(K), 1/sqrt(K)) for depthwise
                 bound = 1 / math.sqrt(conv.weight.shape[-1])
                 conv.weight.copy_((rand(*conv.weight.shape) * 2 - 1) * bound)
