@@ -110,11 +110,11 @@ class _Collector:
         inv = self.inverse_log_keys(query.shape[2], window, query.device)
         ent, ent0, dist, dist0 = st["entropy"], st["entropy_nosink"], st["distance"], st["distance_nosink"]
         head_sq = out.float().pow(2).mean(-1).transpose(1, 2)  # (B, H, T): out is (B, T, H, D)
-        band = band_probs(query, key, st["lse"], scaling, BAND, window, softcap).permute(3, 0, 1, 2)  # (BAND, B, H, T)
-        # sink-dropped: from the non-sink log-normaliser (not p / (1 - p_t0), which is fp32 noise when the sink takes
-        # nearly all the mass); key 0 itself -> 0, t = 0 (no other key) -> NaN, skipped by the means
+        # the band with and without the sink (from the non-sink log-normaliser, not p / (1 - p_t0), which is fp32
+        # noise when the sink takes nearly all the mass); sink-dropped: key 0 itself -> 0, t = 0 -> NaN (skipped)
+        band, band0 = band_probs(query, key, torch.stack([st["lse"], st["lse_nosink"]]), scaling, BAND, window,
+                                 softcap).permute(0, 4, 1, 2, 3)  # each (BAND, B, H, T)
         f = self.band_nosink_factor(query.shape[2], query.device)
-        band0 = band_probs(query, key, st["lse_nosink"], scaling, BAND, window, softcap).permute(3, 0, 1, 2)
         band0 = torch.where(f == 0, 0.0, band0 * f)
         per_query = torch.cat([torch.stack([dist, torch.add(dist, st["diag"], alpha=0.5), ent, 1 - ent * inv[0], dist0,
                                             ent0, 1 - ent0 * inv[1], st["sink"], head_sq]),

@@ -138,13 +138,14 @@ def attention_stats_naive(q, k, scale: float, window: int | None = None, softcap
 def band_probs(q, k, lse: torch.Tensor, scale: float, width: int, window: int | None = None,
                softcap: float | None = None) -> torch.Tensor:
     """p_{t, t-j} for the `width` nearest offsets j = 0..width-1 of every query, from its log-normaliser `lse` (an
-    output of `attention_stats`): (B, H, T, width) fp32, 0 where key t-j does not exist or is outside the window.
-    `width` dot products per query: the local attention profile that phase 1 puts into the short conv on v."""
+    output of `attention_stats`; (..., B, H, T): several normalisers, e.g. with and without the sink, share the
+    scores): (..., B, H, T, width) fp32, 0 where key t-j does not exist or is outside the window. `width` dot
+    products per query: the local attention profile that phase 1 puts into the short conv on v."""
     k = expand_kv(k, check_inputs(q, k, window, softcap))
     T = q.shape[2]
     q, k = q.float(), k.float()
     out = torch.zeros(*lse.shape, width, device=q.device)
     for j in range(min(width, T) if window is None else min(width, T, window)):
         s = _scores(q[:, :, j:].unsqueeze(-2), k[:, :, :T - j].unsqueeze(-2), scale, softcap)[..., 0, 0]
-        out[:, :, j:, j] = torch.exp(s - lse[:, :, j:])
+        out[..., j:, j] = torch.exp(s - lse[..., j:])
     return out
