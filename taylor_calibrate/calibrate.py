@@ -45,6 +45,14 @@ def distance(st: LayerStats, args: CalibArgs, floored: bool = False) -> torch.Te
     return (st.distance_floored if floored else st.distance).clamp_min(0.5)
 
 
+def local_band(st: LayerStats, args: CalibArgs) -> torch.Tensor:
+    """(H, BAND) mean attention p_{t,t-j} on the nearest offsets j (sink dropped or kept as `args.sinks` says)."""
+    band = st.band_nosink if args.sinks == "drop" else st.band
+    if band is None:
+        raise ValueError("these statistics have no local attention band (collect them with taylor_calibrate.stats)")
+    return band.float().nan_to_num(0.0)
+
+
 def _readout_unit(mixer: GatedDeltaNet, x: torch.Tensor, norm: bool) -> torch.Tensor:
     """Student head outputs with a unit gate: the recurrence's readout (after o_norm when `norm`)."""
     o = mixer.readout(*mixer.features(x))
@@ -205,11 +213,11 @@ def _set_local_profile(mixer: GatedDeltaNet, st: LayerStats, args: CalibArgs) ->
     """v conv of head h <- the teacher's mean attention p_{t,t-j} over offsets j < K, renormalised (conv weight
     index K-1-j multiplies x_{t-j}); q / k convs <- identity. Returns the (H, K) kernel."""
     K, D = mixer.cfg.conv_size, mixer.head_dim
-    band = st.band_nosink if args.sinks == "drop" else st.band
-    if band is None or band.shape[1] < K:
+    band = local_band(st, args)
+    if band.shape[1] < K:
         raise ValueError(f"the local profile needs the teacher's attention over {K} offsets; these statistics have "
-                         f"{0 if band is None else band.shape[1]} (collect them with taylor_calibrate.stats)")
-    prof = band[:, :K].float().nan_to_num(0.0).clamp_min(0)
+                         f"{band.shape[1]}")
+    prof = band[:, :K].clamp_min(0)
     total = prof.sum(1, keepdim=True)
     identity = torch.zeros_like(prof)
     identity[:, 0] = 1.0
@@ -223,7 +231,7 @@ def _set_local_profile(mixer: GatedDeltaNet, st: LayerStats, args: CalibArgs) ->
 
 def _far_distance(st: LayerStats, args: CalibArgs, K: int) -> torch.Tensor:
     """Mean distance of the attention mass at offsets >= K: (d_h - sum_{j<K} j b_j) / (1 - sum_{j<K} b_j)."""
-    band = (st.band_nosink if args.sinks == "drop" else st.band)[:, :K].float().nan_to_num(0.0)
+    band = local_band(st, args)[:, :K]
     near = band @ torch.arange(K, dtype=torch.float32)
     far = (1 - band.sum(1)).clamp_min(1e-3)
     return ((distance(st, args).float() - near) / far).clamp_min(float(K))
