@@ -125,6 +125,12 @@ VARIANTS = [
     ("copy, align seed 1", "copy", {}, {}, {"seed": 1}),
     ("taylor, align seed 1", "taylor", {}, {}, {"seed": 1}),
     ("paper, align seed 1", "paper", {}, {}, {"seed": 1}),
+    # bypass is the policy furthest from 88x over copy-only (issue 3): the phase 2 budget (steps, batch, rows via
+    # --calib-seqs) and a longer short conv, whose v kernel then holds more of the teacher's local profile
+    ("taylor, 1000 steps", "taylor", {}, {}, {"steps": 1000}),
+    ("taylor, align batch 8", "taylor", {}, {}, {"batch_size": 8}),
+    ("taylor, conv 8", "taylor", {}, {"conv_size": 8}, {}),
+    ("taylor, conv 16", "taylor", {}, {"conv_size": 16}, {}),
 ]
 
 # Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/

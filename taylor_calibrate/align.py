@@ -8,12 +8,13 @@ input to that layer:
     loss_l = MSE(mixer_l(inputs[l]), targets[l])          rel-MSE_l = MSE_l / Var(targets[l])
 
 Teacher forcing makes the layers independent, so all of them train in one loop over the same stored rows, with no
-teacher forward. A step trains every layer at once: each layer computes its own recurrence inputs, one
-`gated_delta_rule` call runs the recurrences of all layers stacked along the batch (sequences never interact in it,
-so this is exactly L separate calls, in one kernel launch sequence instead of L), each layer applies its own gate
-and o_proj, and one backward of the summed per-layer losses gives every layer the gradient of its own loss. Then
-per-layer gradient clipping and one AdamW step over all layers' parameters (AdamW is elementwise: the same update as
-one optimizer per layer). Each layer keeps its own clipping norm, best state and divergence guard; the only thing
+teacher forward. A step trains every layer at once: the layers' parameters are stacked (each mixer's parameter is
+a view of its slice), one batched op (`torch.vmap` over the mixer's own `features`) computes every layer's recurrence
+inputs, one `gated_delta_rule` call runs the recurrences of all layers stacked along the batch (sequences never
+interact in it, so this is exactly L separate calls, in one kernel launch sequence instead of L), one batched op
+applies every layer's gate and o_proj, and one backward of the summed per-layer losses gives every layer the
+gradient of its own loss. Then per-layer gradient clipping and one AdamW step over the stacked parameters (AdamW is
+elementwise: the same update as one optimizer per layer; test against the plain per-layer loop). Each layer keeps its own clipping norm, best state and divergence guard; the only thing
 layers share is which rows a step uses. `layer_group` bounds how many layers share a forward (activation memory).
 
 Choices (the reference's are in METHOD.md section 3a):
@@ -29,8 +30,9 @@ Choices (the reference's are in METHOD.md section 3a):
   than a better layer. The evaluation rows are part of the training rows (they are not held out).
 - Divergence: a non-finite loss or gradient norm is recorded on the device without a host sync; at the next
   evaluation point the layer is restored to its best state and stops training (`diverged_at` in its report).
-- Speed: on a GPU a small layer's step is bound by kernel launches and Python, not FLOPs, so stacking the layers'
-  recurrences (and one fused AdamW step) is what makes phase 2 fast.
+- Speed: on a GPU a small layer's step is bound by kernel launches and Python, not FLOPs, so stacking the layers
+  (one batched op per projection, one recurrence call, one fused AdamW step over a few large tensors) is what makes
+  phase 2 fast.
 - Precision: parameters train in fp32 (a bf16/fp16 mixer is upcast for the run and cast back at the end); on CUDA
   the forward runs under bf16 autocast, the loss in fp32. `rel_mse_after` is measured after the cast back.
 - Steps are counted from 1: `best_step` k is the state after k optimizer steps (0 = the state alignment started
@@ -44,8 +46,9 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
+import torch.nn as nn
 from torch import Tensor
+from torch.func import functional_call
 from tqdm.auto import tqdm
 
 from taylor_calibrate.config import AlignArgs
@@ -181,6 +184,7 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
     saved_flags = {l: [(p, p.requires_grad) for p in mixers[l].parameters()] for l in layers}
     saved_mode = {l: mixers[l].training for l in layers}
     saved_dtype = {l: [(p, p.dtype) for p in mixers[l].parameters()] for l in layers}
+    train = None
     try:
         st = {l: _LayerState(l, mixers[l], inputs[l], targets[l], n_eval, batch, args) for l in layers}
         train = _Training(list(st.values()), args)
@@ -197,6 +201,7 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
                             st[l].check(step, train.first_bad(st[l]))
                 bar.set_postfix(rel_mse=f"{sum(s.current for s in st.values()) / len(layers):.4f}")
         bar.close()
+        train.unstack()
         report_layers = {}
         for l in layers:
             s = st[l]
@@ -208,6 +213,8 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
                                     diverged_at=s.diverged_at, best_eval_rel_mse=s.best_eval,
                                     trained_params=s.num_trained, **train.summary(s))
     finally:
+        if train is not None:
+            train.unstack()
         for l in layers:
             _restore_dtypes(saved_dtype[l])
             for p, flag in saved_flags[l]:
@@ -351,9 +358,84 @@ class Clock:
         return tokens / self.elapsed()
 
 
+class _Method(nn.Module):
+    """Calls one method of a mixer as `forward`, so `torch.func.functional_call` can run it with other parameters."""
+
+    def __init__(self, mixer: GatedDeltaNet, method: str):
+        super().__init__()
+        self.mixer, self.method = mixer, method
+
+    def forward(self, *args):
+        return getattr(self.mixer, self.method)(*args)
+
+
+class _Stack:
+    """A chunk of layers trained together, their parameters stacked: each parameter name is one (L, ...) tensor, and
+    each mixer's parameter is a view of its slice, so evaluation, best states and restores act on the mixers as they
+    are. A step runs every layer's projections, convs and gates as one batched (`torch.vmap`) op over the stack and
+    the recurrences as one stacked call: the same arithmetic as L separate layers (test), in a few dozen kernel
+    launches instead of L times as many (a small layer's step is launch- and Python-bound on a GPU)."""
+
+    def __init__(self, states: list[_LayerState]):
+        m0 = states[0].mixer
+        shapes = {n: p.shape for n, p in m0.named_parameters()}
+        for s in states:
+            m = s.mixer
+            if ((m.num_heads, m.head_dim, m.backend) != (m0.num_heads, m0.head_dim, m0.backend)
+                    or {n: p.shape for n, p in m.named_parameters()} != shapes or s.device != states[0].device):
+                raise ValueError("align: layers trained together need the same heads, head_dim, parameter shapes, "
+                                 "backend and device (set --phase2.layer_group 1 to train them one by one)")
+        self.states, self.mixer = states, m0
+        self.leaves: dict[str, torch.Tensor] = {}
+        for name in shapes:
+            params = [s.mixer.get_parameter(name) for s in states]
+            leaf = torch.stack([p.detach() for p in params]).requires_grad_(params[0].requires_grad)
+            for i, p in enumerate(params):
+                p.data = leaf.detach()[i]  # the mixer now reads and writes its slice of the stack
+            self.leaves[name] = leaf
+        self.features, self.output = _Method(m0, "features"), _Method(m0, "output")
+
+    def trained(self) -> dict[str, torch.Tensor]:
+        return {n: t for n, t in self.leaves.items() if t.requires_grad}
+
+    def losses(self, xs: Tensor, ys: Tensor) -> Tensor:
+        """Per-layer MSE (L,) of the stacked layers on inputs / targets (L, B, T, hidden)."""
+        params = {f"mixer.{n}": t for n, t in self.leaves.items()}
+        L, B = xs.shape[:2]
+        self.mixer.train()
+        feats = torch.vmap(lambda p, x: functional_call(self.features, p, (x,)))(params, xs)
+        o, _ = gated_delta_rule(*(t.flatten(0, 1) for t in feats), scale=self.mixer.head_dim ** -0.5,
+                                backend=self.mixer.backend)  # q, k, v, g, beta: layers along the batch
+        outs = torch.vmap(lambda p, x, o: functional_call(self.output, p, (x, o)))(params, xs, o.unflatten(0, (L, B)))
+        return (outs.float() - ys).pow(2).flatten(1).mean(1)
+
+    @torch.no_grad()
+    def clip_(self, max_norm: float) -> Tensor:
+        """Clip each layer's gradient to `max_norm` on its own (torch's clip_grad_norm_ per layer); the norms (L,)."""
+        grads = [t.grad for t in self.trained().values() if t.grad is not None]
+        norms = torch.stack([g.pow(2).flatten(1).sum(1) for g in grads]).sum(0).sqrt()
+        if math.isfinite(max_norm):
+            coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(coef.view(-1, *(1,) * (g.ndim - 1)))
+        return norms
+
+    @torch.no_grad()
+    def unstack(self) -> None:
+        """Give every mixer its own parameters again (the stack's memory is freed with it)."""
+        leaves, self.leaves = self.leaves, {}
+        for name in leaves:
+            for s in self.states:
+                p = s.mixer.get_parameter(name)
+                p.data = p.data.clone()
+
+
 class _Training:
     """The optimizer of all layers and the batched step. Per-layer records (best training loss and its step, first
-    non-finite step) are device tensors indexed by layer position: no host sync per step."""
+    non-finite step) are device tensors indexed by layer position: no host sync per step.
+
+    A layer that diverged stays in its stack (the others' arithmetic does not depend on it) but is put back to its
+    best state after every step, so it no longer changes."""
 
     def __init__(self, states: list[_LayerState], args: AlignArgs):
         self.states = states
@@ -362,9 +444,10 @@ class _Training:
         self.group = len(states) if args.layer_group is None else args.layer_group
         trained = [s for s in states if s.params]
         self.device = trained[0].device if trained else states[0].device
+        self.stacks = [_Stack(trained[i:i + self.group]) for i in range(0, len(trained), self.group)]
         lrs = {"new": args.lr, "qkv": args.lr_qkv, "o_proj": args.lr_o, "o_norm": args.lr,
                "dynamics": args.lr if args.lr_dynamics is None else args.lr_dynamics}
-        groups = {g: [p for s in trained for _, p in s.groups.get(g, [])] for g in lrs}
+        groups = {g: [t for st in self.stacks for n, t in st.trained().items() if _group_of(n) == g] for g in lrs}
         groups = {g: ps for g, ps in groups.items() if ps}
         self.base_lrs = [lrs[g] for g in groups]
         # fused: one kernel per step instead of a few per parameter (small layers are launch-bound on a GPU)
@@ -376,48 +459,42 @@ class _Training:
         self.best_train = torch.full((n,), float("inf"), device=self.device)
         self.best_train_step = torch.zeros(n, dtype=torch.long, device=self.device)
         self.bad = torch.full((n,), -1, dtype=torch.long, device=self.device)
-        self._positions: dict[tuple, Tensor] = {}  # layer positions of a chunk, on the device (built once)
+        self._positions = [torch.tensor([self.pos[id(s)] for s in st.states], device=self.device)
+                           for st in self.stacks]
 
     def step(self, step: int, rows: Tensor, crop: slice, factor: float) -> None:
-        active = [s for s in self.states if s.active]
-        if not active:
+        if not any(s.active for s in self.states):
             return
         for g, base in zip(self.opt.param_groups, self.base_lrs):
             g["lr"] = base * factor
-        for i in range(0, len(active), self.group):
-            self._forward_backward(active[i:i + self.group], step, rows, crop)
+        for st, idx in zip(self.stacks, self._positions):
+            self._forward_backward(st, idx, step, rows, crop)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        for s in self.states:
+            if not s.active:
+                s.restore_best()
 
-    def _forward_backward(self, chunk: list[_LayerState], step: int, rows: Tensor, crop: slice) -> None:
-        """Forward and backward of `chunk`'s layers with one stacked recurrence; clip each layer's gradient."""
-        rows_on = {d: rows.to(d) for d in {s.x.device for s in chunk}}
-        data = [s.batch(rows_on[s.x.device], crop, self.staging) for s in chunk]
-        m0 = chunk[0].mixer
-        if any((s.mixer.num_heads, s.mixer.head_dim, s.mixer.backend) != (m0.num_heads, m0.head_dim, m0.backend)
-               for s in chunk):
-            raise ValueError("align: layers trained together need the same heads, head_dim and backend")
-        for s in chunk:
-            s.mixer.train()
+    def _forward_backward(self, st: _Stack, idx: Tensor, step: int, rows: Tensor, crop: slice) -> None:
+        """Forward and backward of one stack's layers; clip each layer's gradient; update the per-layer records."""
+        rows_on = {d: rows.to(d) for d in {s.x.device for s in st.states}}
+        data = [s.batch(rows_on[s.x.device], crop, self.staging) for s in st.states]
         with autocast(self.device):
-            feats = [s.mixer.features(x) for s, (x, _) in zip(chunk, data)]
-            stacked = [torch.cat(parts) for parts in zip(*feats)]  # q, k, v, g, beta: layers along the batch
-            o, _ = gated_delta_rule(*stacked, scale=m0.head_dim ** -0.5, backend=m0.backend)
-            outs = [s.mixer.output(x, o_l) for s, (x, _), o_l in zip(chunk, data, o.split(len(rows)))]
-        losses = torch.stack([F.mse_loss(out.float(), y) for out, (_, y) in zip(outs, data)])
+            losses = st.losses(torch.stack([x for x, _ in data]), torch.stack([y for _, y in data]))
         losses.sum().backward()  # layer l's parameters only see loss l
-        norms = torch.stack([torch.nn.utils.clip_grad_norm_(s.params, self.max_norm) for s in chunk])  # per layer
+        norms = st.clip_(self.max_norm)
         losses = losses.detach()
-        key = tuple(self.pos[id(s)] for s in chunk)
-        idx = self._positions.get(key)
-        if idx is None:
-            idx = self._positions[key] = torch.tensor(key, device=self.device)
+        active = torch.tensor([s.active for s in st.states], device=self.device)
         ok = torch.isfinite(losses) & torch.isfinite(norms)
         bad = self.bad[idx]
-        self.bad[idx] = torch.where((bad < 0) & ~ok, step, bad)
-        better = ok & (losses < self.best_train[idx])
+        self.bad[idx] = torch.where(active & (bad < 0) & ~ok, step, bad)
+        better = active & ok & (losses < self.best_train[idx])
         self.best_train[idx] = torch.where(better, losses, self.best_train[idx])
         self.best_train_step[idx] = torch.where(better, step, self.best_train_step[idx])
+
+    def unstack(self) -> None:
+        for st in self.stacks:
+            st.unstack()
 
     def first_bad(self, s: _LayerState) -> int:
         return int(self.bad[self.pos[id(s)]].item())
