@@ -127,7 +127,9 @@ VARIANTS = [
     ("paper, align seed 1", "paper", {}, {}, {"seed": 1}),
     # bypass is the policy furthest from 88x over copy-only (issue 3): the phase 2 budget (steps, batch, rows via
     # --calib-seqs) and a longer short conv, whose v kernel then holds more of the teacher's local profile
+    ("taylor, 333 steps", "taylor", {}, {}, {"steps": 333}),
     ("taylor, 1000 steps", "taylor", {}, {}, {"steps": 1000}),
+    ("copy, 1000 steps", "copy", {}, {}, {"steps": 1000}),
     ("taylor, align batch 8", "taylor", {}, {}, {"batch_size": 8}),
     ("taylor, conv 8", "taylor", {}, {"conv_size": 8}, {}),
     ("taylor, conv 16", "taylor", {}, {"conv_size": 16}, {}),
