@@ -14,8 +14,8 @@ inputs, one `gated_delta_rule` call runs the recurrences of all layers stacked a
 interact in it, so this is exactly L separate calls, in one kernel launch sequence instead of L), one batched op
 applies every layer's gate and o_proj, and one backward of the summed per-layer losses gives every layer the
 gradient of its own loss. Then per-layer gradient clipping and one AdamW step over the stacked parameters (AdamW is
-elementwise: the same update as one optimizer per layer; test against the plain per-layer loop). Each layer keeps its own clipping norm, best state and divergence guard; the only thing
-layers share is which rows a step uses. `layer_group` bounds how many layers share a forward (activation memory).
+elementwise: the same update as one optimizer per layer; test against the plain per-layer loop). Each layer keeps its
+own clipping norm, best state and divergence guard; the only thing layers share is which rows a step uses. `layer_group` bounds how many layers share a forward (activation memory).
 
 Choices (the reference's are in METHOD.md section 3a):
 - Parameter groups: the decay and write-gate parameters (A_log, dt_bias, a_proj, b_proj) at `lr_dynamics` (None =
@@ -314,7 +314,9 @@ class _LayerState:
             if math.isfinite(r):
                 return
             bad = step  # finite loss and gradients but a non-finite output on the eval rows
-        self.diverged_at, self.active = bad, False  # it leaves the forward; its (NaN) optimizer state is never used
+        self.diverged_at, self.active = bad, False  # put back after every step from now on (_Training.step)
+        if self.best_state is None:  # the initial state was already non-finite: keep the layer as it is now
+            self.best_state = [p.detach().clone() for p in self.params]
         self.restore_best()
         self.current = self.best_eval
         log.warning("align: layer %d diverged (non-finite loss or gradient) at step %d; restored its state from "
@@ -322,7 +324,7 @@ class _LayerState:
 
     @torch.no_grad()
     def restore_best(self) -> None:
-        if self.best_state is None:  # the initial state was already non-finite: nothing better to go back to
+        if self.best_state is None:  # never evaluated finite and never diverged: nothing to go back to
             return
         for p, b in zip(self.params, self.best_state):
             p.copy_(b)
@@ -461,6 +463,7 @@ class _Training:
         self.bad = torch.full((n,), -1, dtype=torch.long, device=self.device)
         self._positions = [torch.tensor([self.pos[id(s)] for s in st.states], device=self.device)
                            for st in self.stacks]
+        self._active: dict[tuple, Tensor] = {}  # which layers of a stack still train, on the device (built on change)
 
     def step(self, step: int, rows: Tensor, crop: slice, factor: float) -> None:
         if not any(s.active for s in self.states):
@@ -484,7 +487,10 @@ class _Training:
         losses.sum().backward()  # layer l's parameters only see loss l
         norms = st.clip_(self.max_norm)
         losses = losses.detach()
-        active = torch.tensor([s.active for s in st.states], device=self.device)
+        flags = tuple(s.active for s in st.states)
+        active = self._active.get(flags)
+        if active is None:
+            active = self._active[flags] = torch.tensor(flags, device=self.device)
         ok = torch.isfinite(losses) & torch.isfinite(norms)
         bad = self.bad[idx]
         self.bad[idx] = torch.where(active & (bad < 0) & ~ok, step, bad)
