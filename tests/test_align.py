@@ -180,6 +180,26 @@ def test_nan_guard_mid_run_keeps_the_best_state_so_far(teacher_data, monkeypatch
     assert r1["diverged_at"] is None and r1["best_step"] == 30  # the other layer trains on
 
 
+def test_layer_never_finite_is_frozen_at_divergence(teacher_data):
+    """A layer whose evaluation rel-MSE is undefined from the start (constant targets) has no best state: it is kept
+    as it was when the guard stopped it at the first check (it stays in its stack; the optimizer must not move it
+    afterwards), whatever the run length."""
+    teacher, inputs, targets = teacher_data
+    poisoned = dict(targets)
+    poisoned[1] = targets[1].clone()
+    poisoned[1][:4] = 0.0  # the evaluation rows: constant targets, so rel-MSE is undefined; training stays finite
+    states = []
+    for steps in (10, 30):
+        mixers = fresh_mixers(teacher)
+        report = align_layers(mixers, inputs, poisoned, AlignArgs(**{**FAST, "steps": steps, "log_every": 5}))
+        assert report["layers"][1]["diverged_at"] == 5 and report["layers"][1]["best_step"] == 0
+        assert report["layers"][2]["diverged_at"] is None
+        states.append({n: p.detach().clone() for n, p in mixers[1].named_parameters()})
+    for n, t in states[0].items():
+        assert torch.isfinite(t).all(), n
+        torch.testing.assert_close(states[1][n], t, rtol=0, atol=0, msg=n)
+
+
 def test_same_seed_same_result(teacher_data):
     teacher, inputs, targets = teacher_data
     args = AlignArgs(**{**FAST, "steps": 20})
