@@ -15,7 +15,8 @@ interact in it, so this is exactly L separate calls, in one kernel launch sequen
 applies every layer's gate and o_proj, and one backward of the summed per-layer losses gives every layer the
 gradient of its own loss. Then per-layer gradient clipping and one AdamW step over the stacked parameters (AdamW is
 elementwise: the same update as one optimizer per layer; test against the plain per-layer loop). Each layer keeps its
-own clipping norm, best state and divergence guard; the only thing layers share is which rows a step uses. `layer_group` bounds how many layers share a forward (activation memory).
+own clipping norm, best state and divergence guard; the only thing layers share is which rows a step uses.
+`layer_group` bounds how many layers share a forward (activation memory).
 
 Choices (the reference's are in METHOD.md section 3a):
 - Parameter groups: the decay and write-gate parameters (A_log, dt_bias, a_proj, b_proj) at `lr_dynamics` (None =
@@ -278,8 +279,7 @@ class _LayerState:
             p.requires_grad_(False)
             if p.is_floating_point() and p.dtype != torch.float32:
                 p.data = p.data.float()  # fp32 master weights for AdamW; cast back at the end
-        self.groups = trained_parameters(mixer, args)
-        self.params = [p for g in self.groups.values() for _, p in g]
+        self.params = [p for g in trained_parameters(mixer, args).values() for _, p in g]
         for p in self.params:
             p.requires_grad_(True)
         self.num_trained = sum(p.numel() for p in self.params)
