@@ -134,6 +134,16 @@ VARIANTS = [
     ("taylor, conv 8", "taylor", {}, {"conv_size": 8}, {}),
     ("taylor, conv 16", "taylor", {}, {"conv_size": 16}, {}),
 ]
+# Phase 2 at a fixed step budget, pushed harder: every learning rate scaled by m (the defaults' ratios kept), decayed
+# schedules (config.SCHEDULES), no gradient clipping, a larger batch; each for both inits.
+_LRS = {"lr": 2e-3, "lr_qkv": 3e-4, "lr_o": 1e-3, "lr_dynamics": 1e-2}
+for _init in ("copy", "taylor"):
+    VARIANTS += [(f"{_init}, lr x{m}", _init, {}, {}, {k: v * m for k, v in _LRS.items()}) for m in (2, 3)]
+    VARIANTS += [(f"{_init}, {sched}, lr x{m}", _init, {}, {},
+                  {"schedule": sched, **{k: v * m for k, v in _LRS.items()}})
+                 for sched in ("linear", "wsd", "cosine") for m in (1, 2, 3)]
+    VARIANTS += [(f"{_init}, no clipping", _init, {}, {}, {"grad_clip": 0.0}),
+                 (f"{_init}, align batch 16", _init, {}, {}, {"batch_size": 16})]
 
 # Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/
 # ablation_smollm2_cpu_quick.md): re-scoring greedy needs a conversion of every layer, and fixed lists keep the

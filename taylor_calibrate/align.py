@@ -68,6 +68,9 @@ _GROUP_OF = {
 }
 
 
+WSD_DECAY = 0.2  # the "wsd" schedule's decay: the last 20% of the steps
+
+
 def lr_factor(step: int, args: AlignArgs) -> float:
     """Multiplier of the base learning rates for optimizer step `step` (1-based)."""
     if step <= args.warmup_steps:
@@ -75,7 +78,11 @@ def lr_factor(step: int, args: AlignArgs) -> float:
     if args.schedule == "constant":
         return 1.0
     progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)  # (0, 1]
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if args.schedule == "cosine":
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if args.schedule == "linear":
+        return 1.0 - progress + 1.0 / max(1, args.steps - args.warmup_steps)  # the last step still moves
+    return min(1.0, (1.0 - progress) / WSD_DECAY + 1.0 / max(1, args.steps - args.warmup_steps))
 
 
 def batch_indices(num_rows: int, batch_size: int, steps: int, seed: int) -> Tensor:

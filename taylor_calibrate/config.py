@@ -109,7 +109,7 @@ def gdn_dict(cfg: GDNConfig) -> dict:
     return asdict(cfg)
 
 
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "linear", "wsd")
 
 
 @dataclass
@@ -212,7 +212,8 @@ class AlignArgs:
     warmup_steps: int = 0
     """Linear learning-rate warmup over this many steps (0 = none, as the reference)."""
     schedule: str = "constant"
-    """Learning rate after warmup: "constant" (the reference) or "cosine" (decay to 10% at the last step)."""
+    """Learning rate after warmup: "constant" (the reference), "cosine" (decay to 10% at the last step), "linear"
+    (straight to 0 at the last step) or "wsd" (constant, then straight to 0 over the last 20% of the steps)."""
     layer_group: int | None = None
     """Layers trained together in one stacked forward/backward (None: all; fewer bounds activation memory). The
     result does not depend on it."""

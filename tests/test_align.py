@@ -327,8 +327,14 @@ def test_lr_schedule():
     assert lr_factor(100, a) == pytest.approx(0.1) and 0.1 < lr_factor(50, a) < 1.0
     c = AlignArgs(steps=100, batch_size=4)
     assert all(lr_factor(s, c) == 1.0 for s in (1, 50, 100))
-    with pytest.raises(ValueError):
-        AlignArgs(schedule="linear")
+    lin = AlignArgs(steps=100, batch_size=4, warmup_steps=10, schedule="linear")
+    assert lr_factor(11, lin) == pytest.approx(1.0) and lr_factor(100, lin) == pytest.approx(1 / 90)
+    assert lr_factor(55, lin) == pytest.approx(0.5 + 1 / 90)
+    w = AlignArgs(steps=100, batch_size=4, schedule="wsd")
+    assert all(lr_factor(s, w) == 1.0 for s in (1, 50, 80)) and lr_factor(90, w) == pytest.approx(0.51)
+    assert lr_factor(100, w) == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="schedule"):
+        AlignArgs(schedule="step")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
