@@ -144,6 +144,13 @@ for _init in ("copy", "taylor"):
                  for sched in ("linear", "wsd", "cosine") for m in (1, 2, 3)]
     VARIANTS += [(f"{_init}, no clipping", _init, {}, {}, {"grad_clip": 0.0}),
                  (f"{_init}, align batch 16", _init, {}, {}, {"batch_size": 16})]
+# the best of the above (wsd, every learning rate x3) further up, for paper too, and at a third / three times the steps
+for _init in ("copy", "taylor", "paper"):
+    VARIANTS += [(f"{_init}, wsd, lr x{m}", _init, {}, {}, {"schedule": "wsd", **{k: v * m for k, v in _LRS.items()}})
+                 for m in ((3, 4, 6) if _init == "paper" else (4, 6))]
+    VARIANTS += [(f"{_init}, wsd, lr x3, {n} steps", _init, {}, {}, {"schedule": "wsd", "steps": n,
+                                                                   **{k: v * 3 for k, v in _LRS.items()}})
+                 for n in (100, 900)]
 
 # Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/
 # ablation_smollm2_cpu_quick.md): re-scoring greedy needs a conversion of every layer, and fixed lists keep the
@@ -203,6 +210,7 @@ def main():
             with swapped_into(model, mixers):
                 row["aligned_ppl"] = perplexity(model, splits.heldout)["ppl"]
             row["rel_mse_after"] = rep["mean_rel_mse_after"]
+            row["rel_mse_layers"] = {l: r["rel_mse_after"] for l, r in rep["layers"].items()}
         row["wall_s"] = time.perf_counter() - t
         rows.append(row)
         print(json.dumps(row), flush=True)
