@@ -14,7 +14,7 @@ import shlex
 import time
 from dataclasses import asdict
 
-from taylor_calibrate.align import align_layers
+from taylor_calibrate.align import align_layers, rel_mse
 from taylor_calibrate.config import AlignArgs, CalibArgs, GDNConfig, PROFILES
 from taylor_calibrate.convert import attention_targets, calibrated_mixers
 from taylor_calibrate.data import CorpusSpec, load_splits
@@ -167,7 +167,8 @@ def load(teacher: str, device: str):
 def command_line(script: str, a: argparse.Namespace) -> str:
     """The command that reproduces a run, from its parsed arguments (--out left out)."""
     return f"python benchmarks/{script} " + " ".join(
-        f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in vars(a).items() if k != "out" and v is not None)
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(str(v))}")
+        for k, v in vars(a).items() if k != "out" and v is not None and v is not False)
 
 
 def main():
@@ -179,6 +180,9 @@ def main():
     ap.add_argument("--policy", default="uniform",
                     help="uniform, bypass / greedy (the CPU quick ablation's kept layers), or layers=0,4,8")
     ap.add_argument("--calib-seqs", type=int, default=None, help="calibration rows (default: the profile's)")
+    ap.add_argument("--per-layer", action="store_true",
+                    help="after alignment, each layer's rel-MSE on held-out rows and the PPL with that layer alone "
+                         "converted (which layers cost the composed model, and whether the fit overfits)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -193,6 +197,9 @@ def main():
     stats = collect_stats(model, splits.calib, store_layers=converted, store_device=device)
     targets = attention_targets(model, stats, converted)
     teacher_ppl = perplexity(model, splits.heldout)["ppl"]
+    if a.per_layer:  # the teacher's inputs and attention outputs on the held-out rows
+        held = collect_stats(model, splits.heldout, store_layers=converted, store_device=device)
+        held_targets = attention_targets(model, held, converted)
     chosen = VARIANTS if not a.only else [v for v in VARIANTS if v[0] in a.only.split(";")]
     rows = []
     for name, method, calib_kw, gdn_kw, align_kw in chosen:
@@ -211,6 +218,13 @@ def main():
                 row["aligned_ppl"] = perplexity(model, splits.heldout)["ppl"]
             row["rel_mse_after"] = rep["mean_rel_mse_after"]
             row["rel_mse_layers"] = {l: r["rel_mse_after"] for l, r in rep["layers"].items()}
+            if a.per_layer:
+                row["heldout_rel_mse_layers"] = {l: rel_mse(mixers[l], held.inputs[l], held_targets[l])
+                                                 for l in converted}
+                row["alone_ppl_layers"] = {}
+                for l in converted:
+                    with swapped_into(model, {l: mixers[l]}):
+                        row["alone_ppl_layers"][l] = perplexity(model, splits.heldout)["ppl"]
         row["wall_s"] = time.perf_counter() - t
         rows.append(row)
         print(json.dumps(row), flush=True)
