@@ -144,6 +144,11 @@ for _init in ("copy", "taylor"):
                  for sched in ("linear", "wsd", "cosine") for m in (1, 2, 3)]
     VARIANTS += [(f"{_init}, no clipping", _init, {}, {}, {"grad_clip": 0.0}),
                  (f"{_init}, align batch 16", _init, {}, {}, {"batch_size": 16})]
+# the first position (the sink later layers attend to) weighted up in the loss (AlignArgs.sink_weight), with wsd x3
+for _init in ("copy", "taylor"):
+    VARIANTS += [(f"{_init}, wsd, lr x3, sink {w}", _init, {}, {}, {"schedule": "wsd", "sink_weight": float(w),
+                                                                  **{k: v * 3 for k, v in _LRS.items()}})
+                 for w in (16, 64, 256)]
 # the best of the above (wsd, every learning rate x3) further up, for paper too, and at a third / three times the steps
 for _init in ("copy", "taylor", "paper"):
     VARIANTS += [(f"{_init}, wsd, lr x{m}", _init, {}, {}, {"schedule": "wsd", **{k: v * m for k, v in _LRS.items()}})

@@ -407,8 +407,9 @@ class _Stack:
     def trained(self) -> dict[str, torch.Tensor]:
         return {n: t for n, t in self.leaves.items() if t.requires_grad}
 
-    def losses(self, xs: Tensor, ys: Tensor) -> Tensor:
-        """Per-layer MSE (L,) of the stacked layers on inputs / targets (L, B, T, hidden)."""
+    def losses(self, xs: Tensor, ys: Tensor, sink_weight: float = 1.0) -> Tensor:
+        """Per-layer MSE (L,) of the stacked layers on inputs / targets (L, B, T, hidden); position 0 weighs
+        `sink_weight` positions (AlignArgs.sink_weight)."""
         params = {f"mixer.{n}": t for n, t in self.leaves.items()}
         L, B = xs.shape[:2]
         self.mixer.train()
@@ -416,7 +417,11 @@ class _Stack:
         o, _ = gated_delta_rule(*(t.flatten(0, 1) for t in feats), scale=self.mixer.head_dim ** -0.5,
                                 backend=self.mixer.backend)  # q, k, v, g, beta: layers along the batch
         outs = torch.vmap(lambda p, x, o: functional_call(self.output, p, (x, o)))(params, xs, o.unflatten(0, (L, B)))
-        return (outs.float() - ys).pow(2).flatten(1).mean(1)
+        err = (outs.float() - ys).pow(2)
+        if sink_weight == 1.0:
+            return err.flatten(1).mean(1)
+        per_pos = err.mean((1, 3))  # (L, T)
+        return (per_pos.sum(1) + (sink_weight - 1.0) * per_pos[:, 0]) / (per_pos.shape[1] + sink_weight - 1.0)
 
     @torch.no_grad()
     def clip_(self, max_norm: float) -> Tensor:
@@ -464,6 +469,7 @@ class _Training:
                                      weight_decay=args.weight_decay,
                                      fused=self.device.type == "cuda" or None) if groups else None
         self.max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
+        self.sink_weight = args.sink_weight
         n = len(states)
         self.best_train = torch.full((n,), float("inf"), device=self.device)
         self.best_train_step = torch.zeros(n, dtype=torch.long, device=self.device)
@@ -490,7 +496,7 @@ class _Training:
         rows_on = {d: rows.to(d) for d in {s.x.device for s in st.states}}
         data = [s.batch(rows_on[s.x.device], crop, self.staging) for s in st.states]
         with autocast(self.device):
-            losses = st.losses(torch.stack([x for x, _ in data]), torch.stack([y for _, y in data]))
+            losses = st.losses(torch.stack([x for x, _ in data]), torch.stack([y for _, y in data]), self.sink_weight)
         losses.sum().backward()  # layer l's parameters only see loss l
         norms = st.clip_(self.max_norm)
         losses = losses.detach()

@@ -214,6 +214,10 @@ class AlignArgs:
     schedule: str = "constant"
     """Learning rate after warmup: "constant" (the reference), "cosine" (decay to 10% at the last step), "linear"
     (straight to 0 at the last step) or "wsd" (constant, then straight to 0 over the last 20% of the steps)."""
+    sink_weight: float = 1.0
+    """Weight of each row's first position in the loss, in positions (1 = a plain mean over positions). The first
+    token is where later layers' heads park their attention (the sink): an error there moves every later token, so a
+    converted layer 0 with the lower rel-MSE can still cost more PPL (docs/decisions.md)."""
     layer_group: int | None = None
     """Layers trained together in one stacked forward/backward (None: all; fewer bounds activation memory). The
     result does not depend on it."""
@@ -233,6 +237,8 @@ class AlignArgs:
                 raise ValueError(f"align option {name}={getattr(self, name)} must be >= 0")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"align option seq_len={self.seq_len} must be >= 1 or None")
+        if self.sink_weight < 0:
+            raise ValueError(f"align option sink_weight={self.sink_weight} must be >= 0")
         if self.lr_dynamics is not None and self.lr_dynamics < 0:
             raise ValueError(f"align option lr_dynamics={self.lr_dynamics} must be >= 0 or None")
 
