@@ -249,13 +249,16 @@ def test_stacked_layers_train_as_if_alone(teacher_data, monkeypatch):
     assert counts[1] - counts[None] == 12 * (len(LAYERS) - 1)  # one recurrence call per step instead of one per layer
 
 
-def test_stacked_step_is_the_plain_training_loop(teacher_data):
+@pytest.mark.parametrize("sink_weight", [64.0, 1.0])  # the default, and the plain mean over positions
+def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight):
     """The vmapped stack (all layers' projections, convs and gates batched; parameters as slices of one tensor; clipping
-    per layer) computes what a plain loop does for each layer alone: mixer forward, MSE, clip_grad_norm_, AdamW."""
+    per layer) computes what a plain loop does for each layer alone: mixer forward, MSE with the first position
+    weighted `sink_weight`, clip_grad_norm_, AdamW under the schedule (the defaults: wsd, sink weight 64)."""
     from taylor_calibrate.align import trained_parameters
 
     teacher, inputs, targets = teacher_data
-    args = AlignArgs(**{**FAST, "steps": 5, "log_every": 5, "grad_clip": 0.05})  # a small clip: it acts
+    args = AlignArgs(**{**FAST, "steps": 5, "log_every": 5, "grad_clip": 0.05,  # a small clip: it acts
+                        "sink_weight": sink_weight})
     stacked = fresh_mixers(teacher)
     report = align_layers(stacked, inputs, targets, args)
     plain = fresh_mixers(teacher)
@@ -269,8 +272,13 @@ def test_stacked_step_is_the_plain_training_loop(teacher_data):
             p.requires_grad_(any(p is q for q in params))
         opt = torch.optim.AdamW([{"params": [p for _, p in g], "lr": lrs[k]} for k, g in groups.items()],
                                 weight_decay=args.weight_decay)
-        for r in rows:
-            loss = torch.nn.functional.mse_loss(m(inputs[l][r])[0], targets[l][r])
+        w = torch.ones(inputs[l].shape[1])
+        w[0] = args.sink_weight
+        for step, r in enumerate(rows, 1):
+            for g, k in zip(opt.param_groups, groups):
+                g["lr"] = lrs[k] * lr_factor(step, args)
+            err = (m(inputs[l][r])[0] - targets[l][r]).pow(2).mean((0, 2))  # per position
+            loss = (err * w).sum() / w.sum()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
             opt.step()
@@ -325,7 +333,7 @@ def test_lr_schedule():
     a = AlignArgs(steps=100, batch_size=4, warmup_steps=10, schedule="cosine")
     assert lr_factor(1, a) == pytest.approx(0.1) and lr_factor(10, a) == pytest.approx(1.0)
     assert lr_factor(100, a) == pytest.approx(0.1) and 0.1 < lr_factor(50, a) < 1.0
-    c = AlignArgs(steps=100, batch_size=4)
+    c = AlignArgs(steps=100, batch_size=4, schedule="constant")
     assert all(lr_factor(s, c) == 1.0 for s in (1, 50, 100))
     lin = AlignArgs(steps=100, batch_size=4, warmup_steps=10, schedule="linear")
     assert lr_factor(11, lin) == pytest.approx(1.0) and lr_factor(100, lin) == pytest.approx(1 / 90)
@@ -335,6 +343,8 @@ def test_lr_schedule():
     assert lr_factor(100, w) == pytest.approx(0.01)
     with pytest.raises(ValueError, match="schedule"):
         AlignArgs(schedule="step")
+    with pytest.raises(ValueError, match="sink_weight"):
+        AlignArgs(sink_weight=-1.0)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
