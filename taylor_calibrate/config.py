@@ -179,9 +179,9 @@ class AlignArgs:
 
     steps: int | None = None
     """Optimizer steps per layer (None: from --profile, 300 full / 100 quick). Longer is better but phase 1's lead
-    fades: H200, SmolLM2, uniform / bypass / greedy, taylor + alignment 4.20 / 4.55 / 4.61 at 300 steps, 3.83 / 4.06 /
-    4.12 at 3000 (about 1.5 minutes more), copy + alignment 4.92 / 5.37 / 5.18 and 3.93 / 4.20 / 4.05
-    (docs/decisions.md)."""
+    fades: H200, SmolLM2, uniform / bypass, wsd x3, taylor + alignment 4.05 / 4.37 at 300 steps, 3.88 / 4.15 at 900,
+    copy + alignment 4.43 / 4.84 and 4.03 / 4.35; with the previous constant rates 3.83 / 4.06 at 3000 steps (about
+    1.5 minutes more on the H200; docs/decisions.md)."""
     batch_size: int | None = None
     """Sequences per step (None: from --profile, 4 full / 2 quick), cycled deterministically through the stored rows (a seeded permutation per epoch)."""
     seq_len: int | None = None
