@@ -134,8 +134,10 @@ VARIANTS = [
     ("taylor, conv 8", "taylor", {}, {"conv_size": 8}, {}),
     ("taylor, conv 16", "taylor", {}, {"conv_size": 16}, {}),
 ]
-# Phase 2 at a fixed step budget, pushed harder: every learning rate scaled by m (the defaults' ratios kept), decayed
-# schedules (config.SCHEDULES), no gradient clipping, a larger batch; each for both inits.
+# Phase 2 at a fixed step budget, pushed harder: every learning rate scaled by m from the defaults before the sweep
+# (x1 below; the defaults since are wsd x3 with sink weight 64, so "taylor, wsd, lr x3" is now "taylor (default)"),
+# decayed schedules (config.SCHEDULES), no gradient clipping, a larger batch; each for both inits. The files of these
+# rows ran before the defaults changed (schedule constant, sink weight 1 unless a variant says otherwise).
 _LRS = {"lr": 2e-3, "lr_qkv": 3e-4, "lr_o": 1e-3, "lr_dynamics": 1e-2}
 for _init in ("copy", "taylor"):
     VARIANTS += [(f"{_init}, lr x{m}", _init, {}, {}, {k: v * m for k, v in _LRS.items()}) for m in (2, 3)]
