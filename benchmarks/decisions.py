@@ -134,30 +134,32 @@ VARIANTS = [
     ("taylor, conv 8", "taylor", {}, {"conv_size": 8}, {}),
     ("taylor, conv 16", "taylor", {}, {"conv_size": 16}, {}),
 ]
-# Phase 2 at a fixed step budget, pushed harder: every learning rate scaled by m from the defaults before the sweep
-# (x1 below; the defaults since are wsd x3 with sink weight 64, so "taylor, wsd, lr x3" is now "taylor (default)"),
-# decayed schedules (config.SCHEDULES), no gradient clipping, a larger batch; each for both inits. The files of these
-# rows ran before the defaults changed (schedule constant, sink weight 1 unless a variant says otherwise).
+# Phase 2 at a fixed step budget, pushed harder (the sweep that set the defaults of 2026-11-30's fourth session):
+# every learning rate scaled by m from the defaults before it (x1), decayed schedules (config.SCHEDULES), no gradient
+# clipping, a larger batch; each for both inits. Each variant pins the schedule and the sink weight (1 = none) it ran
+# with, so its name keeps meaning what its result files measured.
 _LRS = {"lr": 2e-3, "lr_qkv": 3e-4, "lr_o": 1e-3, "lr_dynamics": 1e-2}
+
+
+def _phase2(schedule: str, m: float, sink_weight: float = 1.0, **kw) -> dict:
+    return {"schedule": schedule, "sink_weight": sink_weight, **{k: v * m for k, v in _LRS.items()}, **kw}
+
+
 for _init in ("copy", "taylor"):
-    VARIANTS += [(f"{_init}, lr x{m}", _init, {}, {}, {k: v * m for k, v in _LRS.items()}) for m in (2, 3)]
-    VARIANTS += [(f"{_init}, {sched}, lr x{m}", _init, {}, {},
-                  {"schedule": sched, **{k: v * m for k, v in _LRS.items()}})
+    VARIANTS += [(f"{_init}, lr x{m}", _init, {}, {}, _phase2("constant", m)) for m in (2, 3)]
+    VARIANTS += [(f"{_init}, {sched}, lr x{m}", _init, {}, {}, _phase2(sched, m))
                  for sched in ("linear", "wsd", "cosine") for m in (1, 2, 3)]
-    VARIANTS += [(f"{_init}, no clipping", _init, {}, {}, {"grad_clip": 0.0}),
-                 (f"{_init}, align batch 16", _init, {}, {}, {"batch_size": 16})]
+    VARIANTS += [(f"{_init}, no clipping", _init, {}, {}, _phase2("constant", 1, grad_clip=0.0)),
+                 (f"{_init}, align batch 16", _init, {}, {}, _phase2("constant", 1, batch_size=16))]
 # the first position (the sink later layers attend to) weighted up in the loss (AlignArgs.sink_weight), with wsd x3
+# (64: the default since)
 for _init in ("copy", "taylor"):
-    VARIANTS += [(f"{_init}, wsd, lr x3, sink {w}", _init, {}, {}, {"schedule": "wsd", "sink_weight": float(w),
-                                                                  **{k: v * 3 for k, v in _LRS.items()}})
-                 for w in (16, 64, 256)]
+    VARIANTS += [(f"{_init}, wsd, lr x3, sink {w}", _init, {}, {}, _phase2("wsd", 3, float(w))) for w in (16, 64, 256)]
 # the best of the above (wsd, every learning rate x3) further up, for paper too, and at a third / three times the steps
 for _init in ("copy", "taylor", "paper"):
-    VARIANTS += [(f"{_init}, wsd, lr x{m}", _init, {}, {}, {"schedule": "wsd", **{k: v * m for k, v in _LRS.items()}})
+    VARIANTS += [(f"{_init}, wsd, lr x{m}", _init, {}, {}, _phase2("wsd", m))
                  for m in ((3, 4, 6) if _init == "paper" else (4, 6))]
-    VARIANTS += [(f"{_init}, wsd, lr x3, {n} steps", _init, {}, {}, {"schedule": "wsd", "steps": n,
-                                                                   **{k: v * 3 for k, v in _LRS.items()}})
-                 for n in (100, 900)]
+    VARIANTS += [(f"{_init}, wsd, lr x3, {n} steps", _init, {}, {}, _phase2("wsd", 3, steps=n)) for n in (100, 900)]
 
 # Kept layers of the scored policies as the CPU quick ablation chose them (benchmarks/results/
 # ablation_smollm2_cpu_quick.md): re-scoring greedy needs a conversion of every layer, and fixed lists keep the
