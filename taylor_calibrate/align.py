@@ -7,6 +7,9 @@ input to that layer:
     targets[l]  (N, T, hidden)  the teacher's attention output of layer l, after o_proj
     loss_l = MSE(mixer_l(inputs[l]), targets[l])          rel-MSE_l = MSE_l / Var(targets[l])
 
+with each row's first position weighted `sink_weight` positions in loss_l (the token later layers park attention on;
+an error there costs far more than 1/T of the MSE says, AlignArgs.sink_weight).
+
 Teacher forcing makes the layers independent, so all of them train in one loop over the same stored rows, with no
 teacher forward. A step trains every layer at once: the layers' parameters are stacked (each mixer's parameter is
 a view of its slice), one batched op (`torch.vmap` over the mixer's own `features`) computes every layer's recurrence
@@ -24,7 +27,8 @@ Choices (the reference's are in METHOD.md section 3a):
   projections (weights and biases) at `lr_qkv`, o_proj at `lr_o` (trained by default, `train_o_proj`) and o_norm at
   `lr` when asked - the reference freezes both and trains all new parameters at one rate. Weight decay applies to
   every trained parameter, as in the reference.
-- Best state: every `log_every` steps and at the end, rel-MSE is measured on fixed evaluation rows (the first
+- Schedule: `lr_factor` (AlignArgs.schedule; default wsd: constant, then linear to 0 over the last 20%).
+- Best state: every `log_every` steps and at the end, rel-MSE (unweighted) is measured on fixed evaluation rows (the first
   `eval_rows` stored rows, full length, no grad) and the parameters with the lowest value so far are kept; the
   initial state is the first candidate, so alignment never leaves a layer worse on those rows than it found it.
   The reference keeps the lowest *training-batch* loss instead, which with mini-batches rewards an easy batch rather
@@ -77,12 +81,13 @@ def lr_factor(step: int, args: AlignArgs) -> float:
         return step / args.warmup_steps
     if args.schedule == "constant":
         return 1.0
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)  # (0, 1]
+    n = max(1, args.steps - args.warmup_steps)
+    progress = (step - args.warmup_steps) / n  # (0, 1]
     if args.schedule == "cosine":
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
     if args.schedule == "linear":
-        return 1.0 - progress + 1.0 / max(1, args.steps - args.warmup_steps)  # the last step still moves
-    return min(1.0, (1.0 - progress) / WSD_DECAY + 1.0 / max(1, args.steps - args.warmup_steps))
+        return 1.0 - progress + 1.0 / n  # the last step still moves
+    return min(1.0, (1.0 - progress) / WSD_DECAY + 1.0 / n)
 
 
 def batch_indices(num_rows: int, batch_size: int, steps: int, seed: int) -> Tensor:
@@ -417,10 +422,7 @@ class _Stack:
         o, _ = gated_delta_rule(*(t.flatten(0, 1) for t in feats), scale=self.mixer.head_dim ** -0.5,
                                 backend=self.mixer.backend)  # q, k, v, g, beta: layers along the batch
         outs = torch.vmap(lambda p, x, o: functional_call(self.output, p, (x, o)))(params, xs, o.unflatten(0, (L, B)))
-        err = (outs.float() - ys).pow(2)
-        if sink_weight == 1.0:
-            return err.flatten(1).mean(1)
-        per_pos = err.mean((1, 3))  # (L, T)
+        per_pos = (outs.float() - ys).pow(2).mean((1, 3))  # (L, T)
         return (per_pos.sum(1) + (sink_weight - 1.0) * per_pos[:, 0]) / (per_pos.shape[1] + sink_weight - 1.0)
 
     @torch.no_grad()
