@@ -28,8 +28,8 @@ Choices (the reference's are in METHOD.md section 3a):
   `lr` when asked - the reference freezes both and trains all new parameters at one rate. Weight decay applies to
   every trained parameter, as in the reference.
 - Schedule: `lr_factor` (AlignArgs.schedule; default wsd: constant, then linear to 0 over the last 20%).
-- Best state: every `log_every` steps and at the end, rel-MSE (unweighted) is measured on fixed evaluation rows (the first
-  `eval_rows` stored rows, full length, no grad) and the parameters with the lowest value so far are kept; the
+- Best state: every `log_every` steps and at the end, rel-MSE (unweighted) is measured on fixed evaluation rows (the
+  first `eval_rows` stored rows, full length, no grad) and the parameters with the lowest value so far are kept; the
   initial state is the first candidate, so alignment never leaves a layer worse on those rows than it found it.
   The reference keeps the lowest *training-batch* loss instead, which with mini-batches rewards an easy batch rather
   than a better layer. The evaluation rows are part of the training rows (they are not held out).
