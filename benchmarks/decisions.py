@@ -160,6 +160,17 @@ for _init in ("copy", "taylor", "paper"):
     VARIANTS += [(f"{_init}, wsd, lr x{m}", _init, {}, {}, _phase2("wsd", m))
                  for m in ((3, 4, 6) if _init == "paper" else (4, 6))]
     VARIANTS += [(f"{_init}, wsd, lr x3, {n} steps", _init, {}, {}, _phase2("wsd", 3, steps=n)) for n in (100, 900)]
+# Around the current defaults (wsd, lr x3, sink weight 64), fifth session: does a gentler start keep more of phase 1's
+# init (warmup: Adam's first steps move every parameter by about lr whatever its gradient), a shorter AdamW memory, a
+# longer decay; the seed spread at the defaults; a third of the steps at higher rates; a longer budget for paper.
+for _init in ("copy", "taylor", "paper"):
+    VARIANTS += [(f"{_init}, warmup {n}", _init, {}, {}, {"warmup_steps": n}) for n in (15, 50)]
+    VARIANTS += [(f"{_init}, adam beta2 0.95", _init, {}, {}, {"adam_beta2": 0.95}),
+                 (f"{_init}, wsd decay 0.5", _init, {}, {}, {"decay_fraction": 0.5}),
+                 (f"{_init}, align seed 2", _init, {}, {}, {"seed": 2})]
+    VARIANTS += [(f"{_init}, wsd, lr x{m}, sink 64, 100 steps", _init, {}, {}, _phase2("wsd", m, 64.0, steps=100))
+                 for m in (4, 6)]
+VARIANTS += [("paper, 1000 steps", "paper", {}, {}, {"steps": 1000})]
 
 # Kept layers of the scored policies as CPU quick ablations chose them: re-scoring greedy needs a conversion of every
 # layer, and fixed lists keep comparisons across files exact. bypass is the current ablation's
@@ -196,6 +207,9 @@ def main():
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    unknown = sorted(set(a.only.split(";")) - {v[0] for v in VARIANTS}) if a.only else []
+    if unknown:
+        ap.error(f"--only names unknown variants {unknown}; the names are VARIANTS' first fields in this script")
     prof = PROFILES[a.profile]
     device, backend, teacher = load(a.teacher, a.device)
     model = teacher.model

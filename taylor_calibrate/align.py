@@ -27,7 +27,8 @@ Choices (the reference's are in METHOD.md section 3a):
   projections (weights and biases) at `lr_qkv`, o_proj at `lr_o` (trained by default, `train_o_proj`) and o_norm at
   `lr` when asked - the reference freezes both and trains all new parameters at one rate. Weight decay applies to
   every trained parameter, as in the reference.
-- Schedule: `lr_factor` (AlignArgs.schedule; default wsd: constant, then linear to 0 over the last 20%).
+- Schedule: `lr_factor` (AlignArgs.schedule; default wsd: constant, then linear to 0 over the last `decay_fraction`
+  of the steps, 20%).
 - Best state: every `log_every` steps and at the end, rel-MSE (unweighted) is measured on fixed evaluation rows (the
   first `eval_rows` stored rows, full length, no grad) and the parameters with the lowest value so far are kept; the
   initial state is the first candidate, so alignment never leaves a layer worse on those rows than it found it.
@@ -72,9 +73,6 @@ _GROUP_OF = {
 }
 
 
-WSD_DECAY = 0.2  # the "wsd" schedule's decay: the last 20% of the steps
-
-
 def lr_factor(step: int, args: AlignArgs) -> float:
     """Multiplier of the base learning rates for optimizer step `step` (1-based)."""
     if step <= args.warmup_steps:
@@ -87,7 +85,7 @@ def lr_factor(step: int, args: AlignArgs) -> float:
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
     if args.schedule == "linear":
         return 1.0 - progress + 1.0 / n  # the last step still moves
-    return min(1.0, (1.0 - progress) / WSD_DECAY + 1.0 / n)
+    return min(1.0, (1.0 - progress) / args.decay_fraction + 1.0 / n)
 
 
 def batch_indices(num_rows: int, batch_size: int, steps: int, seed: int) -> Tensor:
@@ -468,7 +466,7 @@ class _Training:
         self.base_lrs = [lrs[g] for g in groups]
         # fused: one kernel per step instead of a few per parameter (small layers are launch-bound on a GPU)
         self.opt = torch.optim.AdamW([{"params": ps, "lr": lrs[g]} for g, ps in groups.items()],
-                                     weight_decay=args.weight_decay,
+                                     weight_decay=args.weight_decay, betas=(0.9, args.adam_beta2),
                                      fused=self.device.type == "cuda" or None) if groups else None
         self.max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
         self.sink_weight = args.sink_weight

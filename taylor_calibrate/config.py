@@ -215,6 +215,11 @@ class AlignArgs:
     """Learning rate after warmup: "constant" (the reference), "cosine" (decay to 10% at the last step), "linear"
     (straight to 0 at the last step) or "wsd" (constant, then straight to 0 over the last 20% of the steps: at 300
     steps on the H200 the best of the three decays, for every learning-rate scale; docs/decisions.md)."""
+    decay_fraction: float = 0.2
+    """The "wsd" schedule's decay: the last this fraction of the steps (after warmup)."""
+    adam_beta2: float = 0.999
+    """AdamW's second-moment decay (torch's default). Lower values forget the large gradients of the first steps
+    sooner, which matters in a run of a few hundred steps."""
     sink_weight: float = 64.0
     """Weight of each row's first position in the loss, in positions (1 = a plain mean over positions). The first
     token is where later layers' heads park their attention (the sink): an error there moves every later token. H200,
@@ -239,6 +244,10 @@ class AlignArgs:
                 raise ValueError(f"align option {name}={getattr(self, name)} must be >= 0")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"align option seq_len={self.seq_len} must be >= 1 or None")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"align option decay_fraction={self.decay_fraction} must be in (0, 1]")
+        if not 0.0 < self.adam_beta2 < 1.0:
+            raise ValueError(f"align option adam_beta2={self.adam_beta2} must be in (0, 1)")
         if self.sink_weight < 0:
             raise ValueError(f"align option sink_weight={self.sink_weight} must be >= 0")
         if self.lr_dynamics is not None and self.lr_dynamics < 0:

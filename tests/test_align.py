@@ -249,8 +249,9 @@ def test_stacked_layers_train_as_if_alone(teacher_data, monkeypatch):
     assert counts[1] - counts[None] == 12 * (len(LAYERS) - 1)  # one recurrence call per step instead of one per layer
 
 
-@pytest.mark.parametrize("sink_weight", [64.0, 1.0])  # the default, and the plain mean over positions
-def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight):
+# the defaults, and the plain mean over positions with a short AdamW memory
+@pytest.mark.parametrize("sink_weight,beta2", [(64.0, 0.999), (1.0, 0.9)])
+def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight, beta2):
     """The vmapped stack (all layers' projections, convs and gates batched; parameters as slices of one tensor; clipping
     per layer) computes what a plain loop does for each layer alone: mixer forward, MSE with the first position
     weighted `sink_weight`, clip_grad_norm_, AdamW under the schedule (the defaults: wsd, sink weight 64)."""
@@ -258,7 +259,7 @@ def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight):
 
     teacher, inputs, targets = teacher_data
     args = AlignArgs(**{**FAST, "steps": 5, "log_every": 5, "grad_clip": 0.05,  # a small clip: it acts
-                        "sink_weight": sink_weight})
+                        "sink_weight": sink_weight, "adam_beta2": beta2})
     stacked = fresh_mixers(teacher)
     report = align_layers(stacked, inputs, targets, args)
     plain = fresh_mixers(teacher)
@@ -271,7 +272,7 @@ def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight):
         for p in m.parameters():
             p.requires_grad_(any(p is q for q in params))
         opt = torch.optim.AdamW([{"params": [p for _, p in g], "lr": lrs[k]} for k, g in groups.items()],
-                                weight_decay=args.weight_decay)
+                                weight_decay=args.weight_decay, betas=(0.9, beta2))
         w = torch.ones(inputs[l].shape[1])
         w[0] = args.sink_weight
         for step, r in enumerate(rows, 1):
@@ -341,6 +342,12 @@ def test_lr_schedule():
     w = AlignArgs(steps=100, batch_size=4, schedule="wsd")
     assert all(lr_factor(s, w) == 1.0 for s in (1, 50, 80)) and lr_factor(90, w) == pytest.approx(0.51)
     assert lr_factor(100, w) == pytest.approx(0.01)
+    w5 = AlignArgs(steps=100, batch_size=4, schedule="wsd", decay_fraction=0.5)
+    assert lr_factor(50, w5) == 1.0 and lr_factor(75, w5) == pytest.approx(0.51)
+    with pytest.raises(ValueError, match="decay_fraction"):
+        AlignArgs(decay_fraction=0.0)
+    with pytest.raises(ValueError, match="adam_beta2"):
+        AlignArgs(adam_beta2=1.0)
     with pytest.raises(ValueError, match="schedule"):
         AlignArgs(schedule="step")
     with pytest.raises(ValueError, match="sink_weight"):
