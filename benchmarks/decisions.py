@@ -178,6 +178,7 @@ VARIANTS += [("paper, 1000 steps", "paper", {}, {}, {"steps": 1000})]
 # gets in the hybrid. "student inputs k": the last k of the steps train on the hybrid's own inputs to each converted
 # layer (one hybrid pass over the calibration rows after the teacher-forced steps), targets still the teacher's
 # attention outputs; the teacher-forced steps run at a constant rate and the wsd decay keeps its length in steps.
+# H200, 300 steps: worse on uniform, no better on bypass and greedy (docs/decisions.md).
 for _init in ("copy", "taylor", "paper"):
     VARIANTS += [(f"{_init}, student inputs {k}", _init, {}, {}, {"student_steps": k}) for k in (100, 150)]
 
