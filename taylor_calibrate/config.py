@@ -179,15 +179,15 @@ class AlignArgs:
 
     steps: int | None = None
     """Optimizer steps per layer (None: from --profile, 300 full / 100 quick). Longer is better but phase 1's lead
-    fades: H200, SmolLM2, uniform / bypass, wsd x3, taylor + alignment 4.05 / 4.37 at 300 steps, 3.88 / 4.15 at 900,
-    copy + alignment 4.43 / 4.84 and 4.03 / 4.35; with the previous constant rates 3.83 / 4.06 at 3000 steps (about
-    1.5 minutes more on the H200; docs/decisions.md)."""
+    fades: H200, SmolLM2, uniform / bypass / greedy, taylor + alignment 4.05 / 4.37 / 4.22 at 300 steps, 3.87 / 4.14
+    / 3.99 at 1000 (about 23 s more on the H200), copy + alignment 4.44 / 4.85 / 4.60 and 4.03 / 4.31 / 4.13;
+    docs/decisions.md)."""
     batch_size: int | None = None
-    """Sequences per step (None: from --profile, 4 full / 2 quick), cycled deterministically through the stored rows (a seeded permutation per epoch)."""
+    """Sequences per step (None: from --profile, 4 full / 2 quick), cycled deterministically through the stored rows
+    (a seeded permutation per epoch)."""
     seq_len: int | None = None
     """Crop training rows to their first seq_len tokens (cheaper steps on CPU); None = full rows (the quick
-    profile crops to 256). Evaluation
-    always uses full rows."""
+    profile crops to 256). Evaluation always uses full rows."""
     lr: float = 6e-3
     """Learning rate of the new parameters other than the decay and write gate (those take `lr_dynamics`): g_proj,
     short convs, and o_norm when it trains (the reference: 1e-3 for all new parameters). The four learning rates
@@ -210,16 +210,19 @@ class AlignArgs:
     train_o_norm: bool = False
     """Also train o_norm's weight (the reference freezes it)."""
     warmup_steps: int = 0
-    """Linear learning-rate warmup over this many steps (0 = none, as the reference)."""
+    """Linear learning-rate warmup over this many steps (0 = none, as the reference; 15 / 50 did not lower taylor +
+    alignment on the H200, docs/decisions.md)."""
     schedule: str = "wsd"
     """Learning rate after warmup: "constant" (the reference), "cosine" (decay to 10% at the last step), "linear"
     (straight to 0 at the last step) or "wsd" (constant, then straight to 0 over the last 20% of the steps: at 300
     steps on the H200 the best of the three decays, for every learning-rate scale; docs/decisions.md)."""
     decay_fraction: float = 0.2
-    """The "wsd" schedule's decay: the last this fraction of the steps (after warmup)."""
+    """The "wsd" schedule's decay: the last this fraction of the steps (after warmup). H200, 300 steps: 0.5 gave
+    taylor + alignment 4.08 / 4.42 / 4.27 against 4.05 / 4.37 / 4.22 (docs/decisions.md)."""
     adam_beta2: float = 0.999
     """AdamW's second-moment decay (torch's default). Lower values forget the large gradients of the first steps
-    sooner, which matters in a run of a few hundred steps."""
+    sooner: 0.95 helps copy + alignment (4.44 / 4.85 / 4.60 -> 4.40 / 4.82 / 4.58) but not taylor (4.06 / 4.39 /
+    4.22; H200, 300 steps, docs/decisions.md)."""
     sink_weight: float = 64.0
     """Weight of each row's first position in the loss, in positions (1 = a plain mean over positions). The first
     token is where later layers' heads park their attention (the sink): an error there moves every later token. H200,
