@@ -180,8 +180,8 @@ class AlignArgs:
     steps: int | None = None
     """Optimizer steps per layer (None: from --profile, 300 full / 100 quick). Longer is better but phase 1's lead
     fades: H200, SmolLM2, uniform / bypass / greedy, taylor + alignment 4.05 / 4.37 / 4.22 at 300 steps, 3.87 / 4.14
-    / 3.99 at 1000 (about 23 s more on the H200), copy + alignment 4.44 / 4.85 / 4.60 and 4.03 / 4.31 / 4.13;
-    docs/decisions.md)."""
+    / 3.99 at 1000 (about 23 s more on the H200), copy + alignment 4.44 / 4.85 / 4.60 and 4.03 / 4.31 / 4.13
+    (docs/decisions.md)."""
     batch_size: int | None = None
     """Sequences per step (None: from --profile, 4 full / 2 quick), cycled deterministically through the stored rows
     (a seeded permutation per epoch)."""
@@ -214,8 +214,8 @@ class AlignArgs:
     alignment on the H200, docs/decisions.md)."""
     schedule: str = "wsd"
     """Learning rate after warmup: "constant" (the reference), "cosine" (decay to 10% at the last step), "linear"
-    (straight to 0 at the last step) or "wsd" (constant, then straight to 0 over the last 20% of the steps: at 300
-    steps on the H200 the best of the three decays, for every learning-rate scale; docs/decisions.md)."""
+    (straight to 0 at the last step) or "wsd" (constant, then straight to 0 over the last `decay_fraction` of the
+    steps: at 300 steps on the H200 the best of the three decays, for every learning-rate scale; docs/decisions.md)."""
     decay_fraction: float = 0.2
     """The "wsd" schedule's decay: the last this fraction of the steps (after warmup). H200, 300 steps: 0.5 gave
     taylor + alignment 4.08 / 4.42 / 4.27 against 4.05 / 4.37 / 4.22 (docs/decisions.md)."""
