@@ -25,7 +25,7 @@ from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.policy import gdn_layers, kept_layers
-from taylor_calibrate.stats import collect_stats
+from taylor_calibrate.stats import capturing_inputs, collect_stats
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 # (name, init method, CalibArgs overrides, GDNConfig overrides, AlignArgs overrides)
@@ -199,17 +199,9 @@ def load(teacher: str, device: str):
 def hybrid_inputs(model, mixers: dict, tokens, batch_size: int, device) -> dict:
     """The input each converted layer's mixer gets in the hybrid (mixers swapped in) on `tokens`, stored like the
     teacher's (stats.inputs)."""
-    got = {i: [] for i in mixers}
-    hooks = [m.register_forward_pre_hook(
-        lambda mod, args, kwargs, i=i: got[i].append(kwargs.get("hidden_states", args[0] if args else None).detach()),
-        with_kwargs=True) for i, m in mixers.items()]
-    try:
-        with swapped_into(model, mixers):
-            for b in range(0, tokens.shape[0], batch_size):
-                model(input_ids=tokens[b:b + batch_size].to(device), use_cache=False, logits_to_keep=1)
-    finally:
-        for h in hooks:
-            h.remove()
+    with swapped_into(model, mixers), capturing_inputs(model, {i: [] for i in mixers}, device) as got:
+        for b in range(0, tokens.shape[0], batch_size):
+            model(input_ids=tokens[b:b + batch_size].to(device), use_cache=False, logits_to_keep=1)
     return {i: torch.cat(x) for i, x in got.items()}
 
 

@@ -180,8 +180,8 @@ class AlignArgs:
     steps: int | None = None
     """Optimizer steps per layer (None: from --profile, 300 full / 100 quick). Longer is better but phase 1's lead
     fades: H200, SmolLM2, uniform / bypass / greedy, taylor + alignment 4.05 / 4.37 / 4.22 at 300 steps, 3.87 / 4.14
-    / 3.99 at 1000 (about 23 s more on the H200), copy + alignment 4.44 / 4.85 / 4.60 and 4.03 / 4.31 / 4.13
-    (docs/decisions.md)."""
+    / 3.99 at 1000 (at 9.9 s per 300 steps on the H200, about 23 s more), copy + alignment 4.44 / 4.85 / 4.60 and
+    4.03 / 4.31 / 4.13 (docs/decisions.md)."""
     batch_size: int | None = None
     """Sequences per step (None: from --profile, 4 full / 2 quick), cycled deterministically through the stored rows
     (a seeded permutation per epoch)."""

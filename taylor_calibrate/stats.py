@@ -173,27 +173,35 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(_IMPL, sdpa_mask)
 
 
 @contextlib.contextmanager
+def capturing_inputs(model, inputs: dict[int, list], store_device):
+    """Append what each layer's token mixer (`self_attn`, or a GDN mixer swapped in its place) receives to
+    inputs[layer], one (B, T, hidden) chunk per forward, on `store_device`."""
+    hooks = []
+    for i in inputs:
+        def grab(mod, args, kwargs, i=i):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            inputs[i].append(x.detach().to(store_device))
+
+        hooks.append(model.model.layers[i].self_attn.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        yield inputs
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@contextlib.contextmanager
 def _collecting(model, collector):
     global _ACTIVE
     old_impl = model.config._attn_implementation
-    hooks = []
-    for i in collector.store_layers:
-        attn = model.model.layers[i].self_attn
-
-        def grab(mod, args, kwargs, i=i):
-            x = kwargs.get("hidden_states", args[0] if args else None)
-            collector.inputs[i].append(x.detach().to(collector.store_device))
-
-        hooks.append(attn.register_forward_pre_hook(grab, with_kwargs=True))
     model.set_attn_implementation(_IMPL)
     _ACTIVE = collector
     try:
-        yield
+        with capturing_inputs(model, collector.inputs, collector.store_device):
+            yield
     finally:
         _ACTIVE = None
         model.set_attn_implementation(old_impl)
-        for h in hooks:
-            h.remove()
 
 
 @torch.no_grad()
