@@ -227,7 +227,8 @@ def main():
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    unknown = sorted(set(a.only.split(";")) - {v[0] for v in VARIANTS}) if a.only else []
+    only = a.only.split(";") if a.only else None
+    unknown = sorted(set(only or ()) - {v[0] for v in VARIANTS})
     if unknown:
         ap.error(f"--only names unknown variants {unknown}; the names are VARIANTS' first fields in this script")
     prof = PROFILES[a.profile]
@@ -244,7 +245,7 @@ def main():
     if a.per_layer:  # the teacher's inputs and attention outputs on the held-out rows
         held = collect_stats(model, splits.heldout, store_layers=converted, store_device=device)
         held_targets = attention_targets(model, held, converted)
-    chosen = VARIANTS if not a.only else [v for v in VARIANTS if v[0] in a.only.split(";")]
+    chosen = VARIANTS if only is None else [v for v in VARIANTS if v[0] in only]
     rows = []
     for name, method, calib_kw, gdn_kw, align_kw in chosen:
         t = time.perf_counter()
