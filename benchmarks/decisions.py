@@ -181,6 +181,21 @@ VARIANTS += [("paper, 1000 steps", "paper", {}, {}, {"steps": 1000})]
 # H200, 300 steps: worse on uniform, no better on bypass and greedy (docs/decisions.md).
 for _init in ("copy", "taylor", "paper"):
     VARIANTS += [(f"{_init}, student inputs {k}", _init, {}, {}, {"student_steps": k}) for k in (100, 150)]
+# Sixth session. The reference's phase 2 budget in tokens: 300 steps of 4 x 256 (ours: 4 x 1024), three seeds and
+# taylor at a third of the steps; a ten-times budget (3000 steps) for the bypass policy's 88x; the copied
+# projections' learning rate alone (the x3 scale kept the ratios tuned at x1), in units of its value then, 9e-4.
+_LR_QKV = 9e-4
+for _init in ("copy", "taylor", "paper"):
+    VARIANTS += [(f"{_init}, align seq 256", _init, {}, {}, {"seq_len": 256})]
+    VARIANTS += [(f"{_init}, align seq 256, seed {k}", _init, {}, {}, {"seq_len": 256, "seed": k}) for k in (1, 2)]
+    VARIANTS += [(f"{_init}, 3000 steps", _init, {}, {}, {"steps": 3000})]
+    VARIANTS += [(f"{_init}, lr_qkv x{m}", _init, {}, {}, {"lr_qkv": _LR_QKV * m}) for m in (0.5, 2, 3, 4, 6, 8)]
+    VARIANTS += [(f"{_init}, lr_qkv x{m}, seed {k}", _init, {}, {}, {"lr_qkv": _LR_QKV * m, "seed": k})
+                 for m in (2, 3) for k in (1, 2)]
+VARIANTS += [("taylor, align seq 256, 100 steps", "taylor", {}, {}, {"seq_len": 256, "steps": 100})]
+VARIANTS += [(f"taylor, align seq 256, 100 steps, seed {k}", "taylor", {}, {}, {"seq_len": 256, "steps": 100, "seed": k})
+             for k in (1, 2)]
+VARIANTS += [("taylor, lr_o x2", "taylor", {}, {}, {"lr_o": 6e-3})]
 
 # Kept layers of the scored policies as CPU quick ablations chose them: re-scoring greedy needs a conversion of every
 # layer, and fixed lists keep comparisons across files exact. bypass is the current ablation's
