@@ -43,7 +43,8 @@ def main():
     model = teacher.model
     n = model.config.num_hidden_layers
     layers = gdn_layers(kept_layers("uniform", n, 4), n)
-    align = AlignArgs(steps=prof["align_steps"], batch_size=prof["align_batch_size"], seq_len=prof["align_seq_len"])
+    align = AlignArgs(steps=prof["align_steps"], batch_size=prof["align_batch_size"], seq_len=prof["align_seq_len"],
+                      lr_qkv=prof["align_lr_qkv"])
     rows = []
     for calib_seqs in [int(c) for c in a.calib_seqs.split(",")]:
         splits = load_splits(CorpusSpec(), teacher.tokenizer, prof["seq_len"], calib_seqs, prof["eval_seqs"])

@@ -193,8 +193,8 @@ for _init in ("copy", "taylor", "paper"):
     VARIANTS += [(f"{_init}, lr_qkv x{m}, seed {k}", _init, {}, {}, {"lr_qkv": _LR_QKV * m, "seed": k})
                  for m in (1, 2, 3) for k in (1, 2)]
 VARIANTS += [("taylor, align seq 256, 100 steps", "taylor", {}, {}, {"seq_len": 256, "steps": 100})]
-VARIANTS += [(f"taylor, align seq 256, 100 steps, seed {k}", "taylor", {}, {}, {"seq_len": 256, "steps": 100, "seed": k})
-             for k in (1, 2)]
+VARIANTS += [(f"taylor, align seq 256, 100 steps, seed {k}", "taylor", {}, {},
+              {"seq_len": 256, "steps": 100, "seed": k}) for k in (1, 2)]
 VARIANTS += [("taylor, lr_o x2", "taylor", {}, {}, {"lr_o": 6e-3})]
 # A longer short conv holds more of the teacher's local attention profile (the one phase-1 setting whose effect
 # survives alignment; bypass, constant rates: conv 8 / 16 4.52 / 4.48 vs 4.55), and copy gets the same layer.
@@ -277,6 +277,7 @@ def main():
                "gdn_config": asdict(GDNConfig(**gdn_kw)), "phase1_ppl": p1}
         if a.steps:
             kw = {"steps": a.steps, "batch_size": prof["align_batch_size"], "seq_len": prof["align_seq_len"],
+                  "lr_qkv": prof["align_lr_qkv"],
                   **align_kw}
             student = kw.pop("student_steps", 0)
             inputs = {i: stats.inputs[i] for i in converted}

@@ -389,7 +389,8 @@ def part_align(a, device, dtype, res, save):
 
     def run(n_steps):
         mixers, _ = calibrated_mixers(model, stats, converted, "taylor", CalibArgs(), GDNConfig(), backend)
-        args = AlignArgs(steps=n_steps, batch_size=prof["align_batch_size"], seq_len=prof["align_seq_len"])
+        args = AlignArgs(steps=n_steps, batch_size=prof["align_batch_size"], seq_len=prof["align_seq_len"],
+                         lr_qkv=prof["align_lr_qkv"])
         sync(device)
         t = time.perf_counter()
         report = align_layers(mixers, inputs, targets, args)

@@ -177,8 +177,8 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
     Mixers stay where they are (device); stored rows may live elsewhere (e.g. CPU) and move a batch at a time.
     requires_grad flags, train/eval mode and parameter dtypes are restored at the end, even on error.
     """
-    if args.steps is None or args.batch_size is None:
-        raise ValueError("align needs steps and batch_size: set them, or fill them with config.apply_profile")
+    if args.steps is None or args.batch_size is None or args.lr_qkv is None:
+        raise ValueError("align needs steps, batch_size and lr_qkv: set them, or fill them with config.apply_profile")
     t_start = time.perf_counter()
     layers = sorted(mixers)
     n_rows = _check_data(mixers, inputs, targets)

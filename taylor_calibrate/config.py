@@ -179,9 +179,9 @@ class AlignArgs:
 
     steps: int | None = None
     """Optimizer steps per layer (None: from --profile, 300 full / 100 quick). Longer is better but phase 1's lead
-    fades: H200, SmolLM2, uniform / bypass / greedy, taylor + alignment 4.05 / 4.37 / 4.22 at 300 steps, 3.87 / 4.14
-    / 3.99 at 1000 (at 9.9 s per 300 steps on the H200, about 23 s more), copy + alignment 4.44 / 4.85 / 4.60 and
-    4.03 / 4.31 / 4.13 (docs/decisions.md)."""
+    fades: H200, SmolLM2, uniform / bypass / greedy, lr_qkv 9e-4, taylor + alignment 4.05 / 4.37 / 4.22 at 300
+    steps, 3.87 / 4.14 / 3.99 at 1000 (at 9.9 s per 300 steps on the H200, about 23 s more), copy + alignment 4.44 /
+    4.85 / 4.60 and 4.03 / 4.31 / 4.13 (docs/decisions.md)."""
     batch_size: int | None = None
     """Sequences per step (None: from --profile, 4 full / 2 quick), cycled deterministically through the stored rows
     (a seeded permutation per epoch)."""
@@ -194,11 +194,13 @@ class AlignArgs:
     keep the ratios tuned one by one (lr 2e-3, lr_qkv 3e-4, lr_o 1e-3, lr_dynamics 1e-2) and are 3x those: with the
     wsd schedule that lowered H200 taylor + alignment from 4.20 / 4.55 / 4.61 to 4.05 / 4.37 / 4.44 on uniform /
     bypass / greedy (x2: 4.08 / 4.40 / 4.51, x4 4.04 / 4.38 / 4.43, x6 worse; docs/decisions.md)."""
-    lr_qkv: float = 3.6e-3
-    """Learning rate of the copied projections q_proj, k_proj, v_proj (the reference: 1e-4). H200, 300 steps, seed 0,
-    taylor + alignment uniform / bypass / greedy: 9e-4 (the x3 scale above) 4.05 / 4.37 / 4.22, 1.8e-3 4.00 / 4.32 /
-    4.15, 2.7e-3 3.96 / 4.27 / 4.11, 3.6e-3 3.95 / 4.26 / 4.10 (docs/decisions.md): phase 1 gets the scales right,
-    alignment has to turn the copied directions."""
+    lr_qkv: float | None = None
+    """Learning rate of the copied projections q_proj, k_proj, v_proj (the reference: 1e-4). None: from --profile,
+    3.6e-3 full / 9e-4 quick: the best rate depends on the budget. H200 full (300 steps of 4 x 1024), seed 0, taylor +
+    alignment uniform / bypass / greedy: 9e-4 4.05 / 4.37 / 4.22, 1.8e-3 4.00 / 4.32 / 4.15, 2.7e-3 3.96 / 4.27 / 4.11,
+    3.6e-3 3.95 / 4.26 / 4.10 (copy and paper gain alike; phase 1 gets the scales right, alignment has to turn the
+    copied directions). CPU quick (100 steps of 2 x 256), uniform, seeds 0 / 1: 9e-4 8.89 / 8.79, 3.6e-3 9.21 / 9.06
+    (docs/decisions.md)."""
     lr_o: float = 3e-3
     """Learning rate of o_proj (when it trains)."""
     lr_dynamics: float | None = 3e-2
@@ -221,11 +223,11 @@ class AlignArgs:
     steps: at 300 steps on the H200 the best of the three decays, for every learning-rate scale; docs/decisions.md)."""
     decay_fraction: float = 0.2
     """The "wsd" schedule's decay: the last this fraction of the steps (after warmup). H200, 300 steps: 0.5 gave
-    taylor + alignment 4.08 / 4.42 / 4.27 against 4.05 / 4.37 / 4.22 (docs/decisions.md)."""
+    taylor + alignment 4.08 / 4.42 / 4.27 against 4.05 / 4.37 / 4.22 (lr_qkv 9e-4; docs/decisions.md)."""
     adam_beta2: float = 0.999
     """AdamW's second-moment decay (torch's default). Lower values forget the large gradients of the first steps
     sooner: 0.95 helps copy + alignment (4.44 / 4.85 / 4.60 -> 4.40 / 4.82 / 4.58) but not taylor (4.06 / 4.39 /
-    4.22; H200, 300 steps, docs/decisions.md)."""
+    4.22; H200, 300 steps, lr_qkv 9e-4, docs/decisions.md)."""
     sink_weight: float = 64.0
     """Weight of each row's first position in the loss, in positions (1 = a plain mean over positions). The first
     token is where later layers' heads park their attention (the sink): an error there moves every later token. H200,
@@ -256,6 +258,8 @@ class AlignArgs:
             raise ValueError(f"align option adam_beta2={self.adam_beta2} must be in (0, 1)")
         if self.sink_weight < 0:
             raise ValueError(f"align option sink_weight={self.sink_weight} must be >= 0")
+        if self.lr_qkv is not None and self.lr_qkv < 0:
+            raise ValueError(f"align option lr_qkv={self.lr_qkv} must be >= 0 or None (from --profile)")
         if self.lr_dynamics is not None and self.lr_dynamics < 0:
             raise ValueError(f"align option lr_dynamics={self.lr_dynamics} must be >= 0 or None")
 
@@ -285,9 +289,9 @@ INITS = ("copy", "zero_gate", "paper", "taylor")
 # the default conversion of the embedded teacher under 10 minutes on a 2-core CPU.
 PROFILES = {
     "full": {"seq_len": 1024, "calib_seqs": 128, "eval_seqs": 32, "align_steps": 300, "align_batch_size": 4,
-             "align_seq_len": None},
+             "align_seq_len": None, "align_lr_qkv": 3.6e-3},
     "quick": {"seq_len": 512, "calib_seqs": 64, "eval_seqs": 16, "align_steps": 100, "align_batch_size": 2,
-              "align_seq_len": 256},
+              "align_seq_len": 256, "align_lr_qkv": 9e-4},
 }
 
 
@@ -361,7 +365,8 @@ class AblateArgs(PipelineArgs):
 
 
 def apply_profile(args, device_type: str) -> str:
-    """Fill unset (None) data/alignment sizes from the profile; returns the profile used."""
+    """Fill unset (None) data/alignment sizes (and the copied projections' learning rate) from the profile; returns
+    the profile used."""
     name = args.profile if args.profile != "auto" else ("full" if device_type == "cuda" else "quick")
     prof = PROFILES[name]
     for key in ("seq_len", "calib_seqs", "eval_seqs"):
@@ -369,7 +374,7 @@ def apply_profile(args, device_type: str) -> str:
             setattr(args.data, key, prof[key])
     phase2 = getattr(args, "phase2", None)
     if phase2 is not None:
-        for key in ("steps", "batch_size", "seq_len"):
+        for key in ("steps", "batch_size", "seq_len", "lr_qkv"):
             if getattr(phase2, key) is None:
                 setattr(phase2, key, prof[f"align_{key}"])
     return name

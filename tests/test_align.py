@@ -11,6 +11,7 @@ from conftest import tiny_teacher
 LAYERS = (1, 2)
 N, T = 6, 32
 FAST = dict(steps=60, lr=1e-2, lr_qkv=1e-3, batch_size=2, log_every=10)
+SHORT = dict(steps=3, batch_size=4, lr_qkv=1e-3, log_every=3)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -92,11 +93,11 @@ def test_train_o_proj_and_o_norm_switches(teacher_data):
     teacher, inputs, targets = teacher_data
     mixers = fresh_mixers(teacher)
     before = {n: p.detach().clone() for n, p in mixers[1].named_parameters()}
-    align_layers(mixers, inputs, targets, AlignArgs(steps=3, batch_size=4, log_every=3, train_o_norm=True))
+    align_layers(mixers, inputs, targets, AlignArgs(**SHORT, train_o_norm=True))
     assert not torch.equal(mixers[1].get_parameter("o_norm.weight"), before["o_norm.weight"])
     mixers = fresh_mixers(teacher)
     before = {n: p.detach().clone() for n, p in mixers[1].named_parameters()}
-    align_layers(mixers, inputs, targets, AlignArgs(steps=3, batch_size=4, log_every=3, train_o_proj=False))
+    align_layers(mixers, inputs, targets, AlignArgs(**SHORT, train_o_proj=False))
     assert torch.equal(mixers[1].get_parameter("o_proj.weight"), before["o_proj.weight"])
     assert not torch.equal(mixers[1].get_parameter("q_proj.weight"), before["q_proj.weight"])
 
@@ -110,18 +111,18 @@ def test_lr_dynamics_freezes_or_separates_the_decay_and_write_gate(teacher_data)
     teacher, inputs, targets = teacher_data
     mixers = fresh_mixers(teacher)
     before = {n: p.detach().clone() for n, p in mixers[1].named_parameters()}
-    report = align_layers(mixers, inputs, targets, AlignArgs(steps=3, batch_size=4, log_every=3, lr_dynamics=0.0))
+    report = align_layers(mixers, inputs, targets, AlignArgs(**SHORT, lr_dynamics=0.0))
     for n in DYNAMICS:
         assert torch.equal(mixers[1].get_parameter(n), before[n]), n
     for n in ("q_proj.weight", "g_proj.weight", "o_proj.weight"):
         assert not torch.equal(mixers[1].get_parameter(n), before[n]), n
-    full = align_layers(fresh_mixers(teacher), inputs, targets, AlignArgs(steps=3, batch_size=4, log_every=3))
+    full = align_layers(fresh_mixers(teacher), inputs, targets, AlignArgs(**SHORT))
     assert report["layers"][1]["trained_params"] == full["layers"][1]["trained_params"] - sum(
         before[n].numel() for n in DYNAMICS)
     moved = {}
     for lr in (1e-4, 1e-2):
         mixers = fresh_mixers(teacher)
-        align_layers(mixers, inputs, targets, AlignArgs(steps=3, batch_size=4, log_every=3, lr_dynamics=lr))
+        align_layers(mixers, inputs, targets, AlignArgs(**SHORT, lr_dynamics=lr))
         moved[lr] = (mixers[1].dt_bias - before["dt_bias"]).abs().max().item()
     assert 0 < moved[1e-4] < moved[1e-2]
     with pytest.raises(ValueError):
@@ -326,8 +327,27 @@ def test_batch_order_is_seeded_permutations():
 
 def test_seq_len_tokens_per_step(teacher_data):
     teacher, inputs, targets = teacher_data
-    report = align_layers(fresh_mixers(teacher), inputs, targets, AlignArgs(steps=2, seq_len=8, batch_size=3))
+    args = AlignArgs(steps=2, seq_len=8, batch_size=3, lr_qkv=1e-3)
+    report = align_layers(fresh_mixers(teacher), inputs, targets, args)
     assert report["tokens_per_step"] == 3 * 8
+
+
+def test_profile_fills_the_copied_projections_rate_and_align_needs_one(teacher_data):
+    """The best lr_qkv depends on the budget (docs/decisions.md): each profile brings its own unless one is given."""
+    from taylor_calibrate.config import PROFILES, ConvertArgs, apply_profile
+
+    for name, want in (("full", 3.6e-3), ("quick", 9e-4)):
+        args = ConvertArgs(profile=name)
+        apply_profile(args, "cpu")
+        assert args.phase2.lr_qkv == PROFILES[name]["align_lr_qkv"] == want
+    args = ConvertArgs(profile="quick", phase2=AlignArgs(lr_qkv=5e-3))
+    apply_profile(args, "cpu")
+    assert args.phase2.lr_qkv == 5e-3
+    teacher, inputs, targets = teacher_data
+    with pytest.raises(ValueError, match="lr_qkv"):
+        align_layers(fresh_mixers(teacher), inputs, targets, AlignArgs(steps=2, batch_size=2))
+    with pytest.raises(ValueError, match="lr_qkv"):
+        AlignArgs(lr_qkv=-1.0)
 
 
 def test_lr_schedule():
