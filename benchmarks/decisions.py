@@ -277,8 +277,7 @@ def main():
                "gdn_config": asdict(GDNConfig(**gdn_kw)), "phase1_ppl": p1}
         if a.steps:
             kw = {"steps": a.steps, "batch_size": prof["align_batch_size"], "seq_len": prof["align_seq_len"],
-                  "lr_qkv": prof["align_lr_qkv"],
-                  **align_kw}
+                  "lr_qkv": prof["align_lr_qkv"], **align_kw}
             student = kw.pop("student_steps", 0)
             inputs = {i: stats.inputs[i] for i in converted}
             if student:

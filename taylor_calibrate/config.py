@@ -193,7 +193,8 @@ class AlignArgs:
     short convs, and o_norm when it trains (the reference: 1e-3 for all new parameters). The four learning rates
     keep the ratios tuned one by one (lr 2e-3, lr_qkv 3e-4, lr_o 1e-3, lr_dynamics 1e-2) and are 3x those: with the
     wsd schedule that lowered H200 taylor + alignment from 4.20 / 4.55 / 4.61 to 4.05 / 4.37 / 4.44 on uniform /
-    bypass / greedy (x2: 4.08 / 4.40 / 4.51, x4 4.04 / 4.38 / 4.43, x6 worse; docs/decisions.md)."""
+    bypass / greedy (x2: 4.08 / 4.40 / 4.51, x4 4.04 / 4.38 / 4.43, x6 worse; docs/decisions.md). lr_qkv was then
+    raised on its own for the full profile (below)."""
     lr_qkv: float | None = None
     """Learning rate of the copied projections q_proj, k_proj, v_proj (the reference: 1e-4). None: from --profile,
     3.6e-3 full / 9e-4 quick: the best rate depends on the budget. H200 full (300 steps of 4 x 1024), seed 0, taylor +
