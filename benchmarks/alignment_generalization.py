@@ -13,7 +13,7 @@ import json
 from decisions import command_line, load  # benchmarks/ is the script's directory
 
 from taylor_calibrate.align import align_layers, rel_mse
-from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig
+from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align
 from taylor_calibrate.convert import attention_targets, calibrated_mixers
 from taylor_calibrate.data import CorpusSpec, load_splits
 from taylor_calibrate.evaluate import perplexity
@@ -43,8 +43,7 @@ def main():
     model = teacher.model
     n = model.config.num_hidden_layers
     layers = gdn_layers(kept_layers("uniform", n, 4), n)
-    align = AlignArgs(steps=prof["align_steps"], batch_size=prof["align_batch_size"], seq_len=prof["align_seq_len"],
-                      lr_qkv=prof["align_lr_qkv"])
+    align = fill_align(AlignArgs(), a.profile)
     rows = []
     for calib_seqs in [int(c) for c in a.calib_seqs.split(",")]:
         splits = load_splits(CorpusSpec(), teacher.tokenizer, prof["seq_len"], calib_seqs, prof["eval_seqs"])

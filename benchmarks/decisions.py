@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 
 from taylor_calibrate.align import align_layers, rel_mse
-from taylor_calibrate.config import AlignArgs, CalibArgs, GDNConfig, PROFILES
+from taylor_calibrate.config import AlignArgs, CalibArgs, GDNConfig, PROFILES, fill_align
 from taylor_calibrate.convert import attention_targets, calibrated_mixers
 from taylor_calibrate.data import CorpusSpec, load_splits
 from taylor_calibrate.evaluate import perplexity
@@ -276,17 +276,16 @@ def main():
         row = {"variant": name, "init": method, "calib": calib_kw, "gdn": gdn_kw, "align": align_kw,
                "gdn_config": asdict(GDNConfig(**gdn_kw)), "phase1_ppl": p1}
         if a.steps:
-            kw = {"steps": a.steps, "batch_size": prof["align_batch_size"], "seq_len": prof["align_seq_len"],
-                  "lr_qkv": prof["align_lr_qkv"], **align_kw}
+            kw = {"steps": a.steps, **align_kw}
             student = kw.pop("student_steps", 0)
             inputs = {i: stats.inputs[i] for i in converted}
             if student:
                 first = AlignArgs(**{**kw, "steps": kw["steps"] - student, "schedule": "constant"})
-                align_layers(mixers, inputs, targets, first)
+                align_layers(mixers, inputs, targets, fill_align(first, a.profile))
                 inputs = hybrid_inputs(model, mixers, splits.calib, prof["align_batch_size"], device)
                 decay = AlignArgs(**kw).decay_fraction * kw["steps"] / student
                 kw = {**kw, "steps": student, "decay_fraction": min(1.0, decay)}
-            rep = align_layers(mixers, inputs, targets, AlignArgs(**kw))
+            rep = align_layers(mixers, inputs, targets, fill_align(AlignArgs(**kw), a.profile))
             with swapped_into(model, mixers):
                 row["aligned_ppl"] = perplexity(model, splits.heldout)["ppl"]
             row["rel_mse_after"] = rep["mean_rel_mse_after"]

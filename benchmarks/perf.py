@@ -54,7 +54,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from taylor_calibrate import ops
 from taylor_calibrate.align import align_layers
-from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, ConvertArgs, DataArgs, GDNConfig, TrainArgs
+from taylor_calibrate.config import (PROFILES, AlignArgs, CalibArgs, ConvertArgs, DataArgs, GDNConfig, TrainArgs,
+                                     fill_align)
 from taylor_calibrate.convert import attention_targets, calibrated_mixers, convert_loaded
 from taylor_calibrate.distill import distill
 from taylor_calibrate.export import write_json
@@ -378,7 +379,8 @@ def part_align(a, device, dtype, res, save):
     model = build_teacher("smollm2", a.tiny, device, dtype)
     n = model.config.num_hidden_layers
     converted = gdn_layers(kept_layers("uniform", n, 4), n)
-    prof = PROFILES["quick" if a.tiny else "full"]
+    profile = "quick" if a.tiny else "full"
+    prof = PROFILES[profile]
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (prof["calib_seqs"], prof["seq_len"]), generator=gen)
     stats = collect_stats(model, ids, store_layers=converted, store_device=device)
@@ -389,8 +391,7 @@ def part_align(a, device, dtype, res, save):
 
     def run(n_steps):
         mixers, _ = calibrated_mixers(model, stats, converted, "taylor", CalibArgs(), GDNConfig(), backend)
-        args = AlignArgs(steps=n_steps, batch_size=prof["align_batch_size"], seq_len=prof["align_seq_len"],
-                         lr_qkv=prof["align_lr_qkv"])
+        args = fill_align(AlignArgs(steps=n_steps), profile)
         sync(device)
         t = time.perf_counter()
         report = align_layers(mixers, inputs, targets, args)

@@ -365,6 +365,17 @@ class AblateArgs(PipelineArgs):
     """The command line to record in the results (for reproducibility)."""
 
 
+_ALIGN_FROM_PROFILE = ("steps", "batch_size", "seq_len", "lr_qkv")
+
+
+def fill_align(phase2: AlignArgs, profile: str) -> AlignArgs:
+    """Fill phase 2's unset (None) sizes and copied-projection learning rate from a profile, in place."""
+    for key in _ALIGN_FROM_PROFILE:
+        if getattr(phase2, key) is None:
+            setattr(phase2, key, PROFILES[profile][f"align_{key}"])
+    return phase2
+
+
 def apply_profile(args, device_type: str) -> str:
     """Fill unset (None) data/alignment sizes (and the copied projections' learning rate) from the profile; returns
     the profile used."""
@@ -373,11 +384,8 @@ def apply_profile(args, device_type: str) -> str:
     for key in ("seq_len", "calib_seqs", "eval_seqs"):
         if getattr(args.data, key) is None:
             setattr(args.data, key, prof[key])
-    phase2 = getattr(args, "phase2", None)
-    if phase2 is not None:
-        for key in ("steps", "batch_size", "seq_len", "lr_qkv"):
-            if getattr(phase2, key) is None:
-                setattr(phase2, key, prof[f"align_{key}"])
+    if getattr(args, "phase2", None) is not None:
+        fill_align(args.phase2, name)
     return name
 
 
