@@ -1,4 +1,4 @@
-"""METHOD.md section 7 decisions, measured: held-out perplexity of the `taylor` init for one option changed at a
+"""Design decisions (docs/decisions.md), measured: held-out perplexity of the `taylor` init for one option changed at a
 time (phase 1 alone, and after `--steps` alignment steps), on one layer policy (`--policy`, uniform by default),
 against copy (+ alignment).
 

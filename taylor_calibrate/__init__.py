@@ -1,4 +1,4 @@
-"""Taylor-Calibrate: convert a pretrained Transformer into a Gated DeltaNet hybrid (see METHOD.md).
+"""Taylor-Calibrate: convert a pretrained Transformer into a Gated DeltaNet hybrid (the method: docs/method.md).
 
 Importing the package registers the hybrid's config and model with transformers' Auto* factories.
 """

@@ -1,4 +1,5 @@
-"""The `ablate` stage: zero-shot held-out perplexity for every init x layer policy (METHOD.md sections 3 and 7).
+"""The `ablate` stage: zero-shot held-out perplexity for every init x layer policy (docs/method.md, "Phase 1:
+calibration"; docs/decisions.md).
 
 One teacher pass gives statistics, inputs and targets for *every* layer; each init then builds (and, for the
 "+align" rows, aligns) a mixer for every layer once. Teacher forcing makes layers independent, so the mixers of any

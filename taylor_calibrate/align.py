@@ -1,4 +1,4 @@
-"""Phase 2: teacher-forced per-layer gradient alignment (METHOD.md section 4).
+"""Phase 2: teacher-forced per-layer gradient alignment (docs/method.md, "Phase 2: alignment").
 
 Every converted layer l is trained on its own to reproduce the teacher's attention output from the teacher's own
 input to that layer:
@@ -21,7 +21,7 @@ elementwise: the same update as one optimizer per layer; test against the plain 
 own clipping norm, best state and divergence guard; the only thing layers share is which rows a step uses.
 `layer_group` bounds how many layers share a forward (activation memory).
 
-Choices (the reference's are in METHOD.md section 3a):
+Choices (the reference's are in docs/method.md, "Phase 1: calibration", "paper"):
 - Parameter groups: the decay and write-gate parameters (A_log, dt_bias, a_proj, b_proj) at `lr_dynamics` (None =
   `lr`, 0 = frozen at phase 1's values), the other new ones (g_proj, short convs) at `lr`, the copied q/k/v
   projections (weights and biases) at `lr_qkv`, o_proj at `lr_o` (trained by default, `train_o_proj`) and o_norm at

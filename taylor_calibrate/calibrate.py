@@ -1,8 +1,9 @@
-"""Phase 1: analytic calibration of the GDN dynamics from teacher attention statistics (METHOD.md section 3).
+"""Phase 1: analytic calibration of the GDN dynamics from teacher attention statistics (docs/method.md,
+"Phase 1: calibration").
 
 Two versions, every step switchable for ablations:
-- `paper`: the public reference implementation as METHOD.md section 3a states it, quirks included.
-- `taylor` (ours): METHOD.md section 3b, every calibrated quantity takes effect at step 0:
+- `paper`: the public reference implementation as docs/method.md ("paper") states it, quirks included.
+- `taylor` (ours): docs/method.md ("taylor"), every calibrated quantity takes effect at step 0:
   decay a_proj = 0 so the half-life is exactly d_h; the *mean* write gate equals beta*_h (solved on the calibration
   inputs, not just the logits' spread); the per-head amplitude sigma_h reaches the output (through the gate's
   mean when a per-head norm would cancel it, else through o_proj); the output gate is a small perturbation around
@@ -60,8 +61,8 @@ def _readout_unit(mixer: GatedDeltaNet, x: torch.Tensor, norm: bool) -> torch.Te
 
 
 def _sigma(mixer, x, y, norm: bool, gated: bool = False) -> torch.Tensor:
-    """Per-head least squares factor sigma_h = <y_h, yhat_h> / <yhat_h, yhat_h> (METHOD.md 3, item 3); yhat through
-    the layer's current gate when `gated`, else at unit gate."""
+    """Per-head least squares factor sigma_h = <y_h, yhat_h> / <yhat_h, yhat_h> (docs/method.md, "Phase 1:
+    calibration"); yhat through the layer's current gate when `gated`, else at unit gate."""
     yhat = (mixer.gate(x, mixer.readout(*mixer.features(x))) if gated else _readout_unit(mixer, x, norm)).float()
     y = y.float().view_as(yhat)
     return (y * yhat).sum((0, 1, 3)) / (yhat * yhat).sum((0, 1, 3)).clamp_min(1e-12)

@@ -21,7 +21,7 @@ GDN_TYPE = "linear_attention"  # transformers' cache name for a recurrent-state 
 
 @dataclass
 class GDNConfig:
-    """Options of a converted Gated DeltaNet layer (METHOD.md sections 2 and 7).
+    """Options of a converted Gated DeltaNet layer (docs/method.md, "The GDN layer").
 
     Head count and head dim are not options: they are the teacher's (num_heads = query heads, expand_v = 1).
     """
@@ -148,10 +148,10 @@ class CalibArgs:
     fit_rows: int = 16
     """Calibration rows phase 1 reads at most (the write gate's input direction, the lstsq / value fits)."""
     readout: str = "scale"
-    """Output map after the recurrence: "scale" (per-head sigma_h, METHOD.md 3b), "lstsq" (closed-form ridge fit
-    of o_proj from the student's head outputs to the teacher's attention output, on the calibration rows) or
-    "value" (closed-form ridge fit of each head's v_proj rows so that the head's recurrent readout matches the
-    teacher's head output; W_O and the head layout stay the teacher's; then sigma_h as for "scale")."""
+    """Output map after the recurrence: "scale" (per-head sigma_h, docs/method.md "taylor"), "lstsq" (closed-form ridge
+    fit of o_proj from the student's head outputs to the teacher's attention output, on the calibration rows) or "value"
+    (closed-form ridge fit of each head's v_proj rows so that the head's recurrent readout matches the teacher's head
+    output; W_O and the head layout stay the teacher's; then sigma_h as for "scale")."""
     ridge: float = 1e-3
     """Ridge strength of the lstsq / value fit (relative to the mean feature energy), shrinking toward the current
     weights (W_O; the copied W_V)."""
@@ -175,7 +175,8 @@ class CalibArgs:
 
 @dataclass
 class AlignArgs:
-    """Phase 2 (METHOD.md section 4): per-layer alignment of each GDN mixer to the teacher's attention output."""
+    """Phase 2 (docs/method.md, "Phase 2: alignment"): per-layer alignment of each GDN mixer to the teacher's attention
+    output."""
 
     steps: int | None = None
     """Optimizer steps per layer (None: from --profile, 300 full / 100 quick). Longer is better but phase 1's lead
@@ -337,10 +338,10 @@ class ConvertArgs(PipelineArgs):
     out: str = "out/hybrid"
     """Output directory (model, tokenizer, report.json)."""
     init: str = "taylor"
-    """Phase 1 (METHOD.md 3): "taylor" (ours), "paper" (the reference code), "copy" (weight copy, library-default
-    dynamics), "zero_gate" (copy with g_proj = 0)."""
+    """Phase 1 (docs/method.md, "Phase 1: calibration"): "taylor" (ours), "paper" (the reference code), "copy" (weight
+    copy, library-default dynamics), "zero_gate" (copy with g_proj = 0)."""
     align: bool = True
-    """Phase 2 (METHOD.md 4): teacher-forced per-layer alignment after phase 1."""
+    """Phase 2 (docs/method.md, "Phase 2: alignment"): teacher-forced per-layer alignment after phase 1."""
     policy: str = "uniform"
     """Which layers stay softmax attention: "uniform", "bypass", "greedy", or "layers=0,4,8"."""
 
@@ -453,7 +454,8 @@ TRAIN_MODES = ("mixers", "all")
 
 @dataclass
 class TrainArgs:
-    """Recovery distillation (METHOD.md section 5): the student learns the teacher's next-token distribution."""
+    """Recovery distillation (docs/method.md, "Recovery distillation"): the student learns the teacher's next-token
+    distribution."""
 
     tokens: int | None = None
     """Training-token budget (None: from --profile, 8M full / 32K quick)."""
@@ -555,7 +557,8 @@ class DistillArgs:
 
 @dataclass
 class RecoveryArgs(PipelineArgs):
-    """`taylor-calibrate recovery`: tokens-to-matched-recovery of each init on each policy (METHOD.md section 5)."""
+    """`taylor-calibrate recovery`: tokens-to-matched-recovery of each init on each policy (docs/method.md, "Recovery
+    distillation")."""
 
     out: str = "out/recovery"
     """Output directory (recovery.json, recovery.md, curves PNG, one resumable run directory per policy x init)."""

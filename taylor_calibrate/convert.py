@@ -42,9 +42,9 @@ def print_table(rows: list[tuple[str, str]]) -> None:
 
 
 def attention_targets(teacher, stats: TeacherStats, layers, release: bool = False) -> dict[int, torch.Tensor]:
-    """Teacher attention output after W_O for each layer: the phase 2 target (METHOD.md section 4). `release` drops
-    each layer's stored head outputs once its target exists (phase 1 was their last reader), so the two never
-    coexist for more than one layer."""
+    """Teacher attention output after W_O for each layer: the phase 2 target (docs/method.md, "Phase 2: alignment").
+    `release` drops each layer's stored head outputs once its target exists (phase 1 was their last reader), so the two
+    never coexist for more than one layer."""
     out = {}
     for i in layers:
         o_proj = teacher.model.layers[i].self_attn.o_proj

@@ -1,4 +1,5 @@
-"""The `distill` stage: recover a converted hybrid by distillation from its teacher (METHOD.md section 5).
+"""The `distill` stage: recover a converted hybrid by distillation from its teacher (docs/method.md,
+"Recovery distillation").
 
     loss = kl_weight * T^2 * KL(teacher_T || student_T)      per token, forward KL on the logits
          + hidden_weight * sum_l |h_l - h_l^T|^2 / |h_l^T|^2  every layer's output (optional)

@@ -1,4 +1,5 @@
-"""Layer policy: which layers stay softmax attention; every other layer becomes GDN (METHOD.md section 3a).
+"""Layer policy: which layers stay softmax attention; every other layer becomes GDN (docs/method.md,
+"Layer policies").
 
 - `uniform`: every k-th layer from 0.
 - `bypass`: skip each layer's attention alone (output zeroed), rank by the perplexity increase, keep the most damaging.

@@ -1,4 +1,5 @@
-"""The `recovery` experiment: does a calibrated start recover with fewer distillation tokens (METHOD.md section 5)?
+"""The `recovery` experiment: does a calibrated start recover with fewer distillation tokens (docs/method.md,
+"Recovery distillation")?
 
 For each layer policy and init (baseline `copy`, phase-2-only `align`, ours `taylor+align`, optionally the reference
 `paper+align`), the same teacher, data, budget and schedule distil the hybrid; held-out loss is measured at fixed

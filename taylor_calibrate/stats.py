@@ -1,7 +1,7 @@
-"""Teacher statistics, streaming (METHOD.md section 3): one teacher pass over the calibration rows gives, for every
-layer and query head, the mean attention distance, the attention entropy / concentration (absolute and min-max
-normalisations, with and without the attention sink), and for the layers to convert the inputs x_l and teacher head
-outputs y_l that the value scale and the alignment need.
+"""Teacher statistics, streaming (docs/method.md, "Teacher statistics"): one teacher pass over the calibration rows
+gives, for every layer and query head, the mean attention distance, the attention entropy / concentration (absolute and
+min-max normalisations, with and without the attention sink), and for the layers to convert the inputs x_l and teacher
+head outputs y_l that the value scale and the alignment need.
 
 The statistics come from the teacher's *actual* attention (its RoPE, scaling, sliding windows, softcap): we register
 a transformers attention function that runs SDPA for the output and, beside it, an online-softmax pass over key

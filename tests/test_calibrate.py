@@ -1,6 +1,6 @@
-"""Phase 1 (METHOD.md 3, 3a, 3b): every calibrated quantity of the `taylor` method takes effect at step 0, measured
-on the calibrated mixer's own intermediate quantities; the `paper` baseline reproduces the reference's quirks;
-`copy` and `zero_gate` are what they say.
+"""Phase 1 (docs/method.md, "Phase 1: calibration": "taylor" and "paper"): every calibrated quantity of the `taylor`
+method takes effect at step 0, measured on the calibrated mixer's own intermediate quantities; the `paper` baseline
+reproduces the reference's quirks; `copy` and `zero_gate` are what they say.
 
 Teachers are tiny llamas with realistic weight scales (initializer 0.2: peaked attention, head outputs of order 1)
 and query heads of different sharpness (so concentrations, hence beta*, differ per head). `teacher` also gives its

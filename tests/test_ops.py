@@ -1,4 +1,4 @@
-"""The gated delta rule (METHOD.md section 2): spec, chunked == recurrent, state carry, backends.
+"""The gated delta rule (docs/method.md, "The GDN layer"): spec, chunked == recurrent, state carry, backends.
 
 CPU tests run everywhere; the fla test runs only where fla and a CUDA GPU are present.
 """
@@ -53,7 +53,7 @@ def run_with_grads(fn, inputs, dout, dstate, **kwargs):
 
 
 def test_hand_computed_two_steps():
-    """T=2, H=1, K=V=2, worked by hand and in METHOD.md's (V x K) matrix form."""
+    """T=2, H=1, K=V=2, worked by hand and in docs/method.md's (V x K) matrix form."""
     q = torch.tensor([[0.6, 0.8], [1.0, 0.0]])
     k = torch.tensor([[1.0, 0.0], [0.6, 0.8]])
     v = torch.tensor([[1.0, 2.0], [3.0, -1.0]])
@@ -67,14 +67,14 @@ def test_hand_computed_two_steps():
     o_hand = scale * torch.tensor([[0.3, 0.6], [0.814, 0.578]])
     S_hand = torch.tensor([[0.814, 0.578], [0.552, -0.296]])
 
-    # METHOD.md section 2, literally (state V x K):
+    # docs/method.md, "The GDN layer", literally (state V x K):
     #   S_t = gamma_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,  o_t = S_t q_t / sqrt(d)
     S, o_formula = torch.zeros(2, 2), []
     for t in range(2):
         S = gamma[t] * S @ (torch.eye(2) - beta[t] * torch.outer(k[t], k[t])) + beta[t] * torch.outer(v[t], k[t])
         o_formula.append(S @ q[t] / 2**0.5)
     torch.testing.assert_close(torch.stack(o_formula), o_hand)
-    torch.testing.assert_close(S.T, S_hand)  # METHOD.md's V x K state is the transpose of ours
+    torch.testing.assert_close(S.T, S_hand)  # docs/method.md's V x K state is the transpose of ours
 
     args = [x[None, :, None] for x in (q, k, v, gamma.log(), beta)]  # B = H = 1
     for fn in (recurrent_gated_delta_rule, chunk_gated_delta_rule):

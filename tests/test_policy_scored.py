@@ -1,5 +1,6 @@
-"""Scored layer policies (METHOD.md 3a): `bypass` ranks layers by the damage of skipping their attention, `greedy`
-by the perplexity of the hybrid that keeps only that layer; both keep the top ceil(n / keep_every), sorted."""
+"""Scored layer policies (docs/method.md, "Layer policies"): `bypass` ranks layers by the damage of skipping their
+attention, `greedy` by the perplexity of the hybrid that keeps only that layer; both keep the top ceil(n / keep_every),
+sorted."""
 import math
 
 import pytest

@@ -1,6 +1,6 @@
-"""Teacher statistics (METHOD.md section 3): the streamed kernel against the materialised reference, and
-`collect_stats` on every architecture against statistics computed from the teacher's own attention
-probabilities (eager attention, `output_attentions=True`)."""
+"""Teacher statistics (docs/method.md, "Teacher statistics"): the streamed kernel against the materialised reference,
+and `collect_stats` on every architecture against statistics computed from the teacher's own attention probabilities
+(eager attention, `output_attentions=True`)."""
 import math
 
 import pytest

@@ -1,4 +1,5 @@
-"""The Gated DeltaNet mixer that replaces a converted attention layer (METHOD.md section 2).
+"""The Gated DeltaNet mixer that replaces a converted attention layer (docs/method.md,
+"The GDN layer").
 
 Parameter names follow fla's `fla.layers.GatedDeltaNet` (q_proj, k_proj, v_proj, a_proj, b_proj, g_proj, o_proj,
 A_log, dt_bias, q_conv1d/k_conv1d/v_conv1d, o_norm), so a state dict maps onto fla's layer and the recurrence can
@@ -126,7 +127,7 @@ class GatedDeltaNet(nn.Module):
         return self.output(x, self.readout(q, k, v, g, beta, cache)), None
 
 
-# --- weight transfer and the library-default init ("copy", METHOD.md section 2) ------------------------------
+# --- weight transfer and the library-default init ("copy", docs/method.md, "Weight transfer") ------------
 def _repeat_heads(w: torch.Tensor, num_kv: int, groups: int) -> torch.Tensor:
     """(Hkv*D, ...) -> (Hkv*groups*D, ...): every query head h gets key/value head h // groups (GQA)."""
     return w.reshape(num_kv, -1, *w.shape[1:]).repeat_interleave(groups, dim=0).reshape(-1, *w.shape[1:])

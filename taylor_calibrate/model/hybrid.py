@@ -127,8 +127,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
 
 @torch.no_grad()
 def make_mixers(teacher: PreTrainedModel, layers: list[int], gdn: GDNConfig, seed: int = 0) -> dict[int, GatedDeltaNet]:
-    """Copy-only GDN mixers for `layers` of `teacher` (METHOD.md section 2): W_Q, W_K, W_V, W_O (GQA repeated),
-    library-default recurrent parameters. They sit on the teacher's device and dtype."""
+    """Copy-only GDN mixers for `layers` of `teacher` (docs/method.md, "Weight transfer"): W_Q, W_K, W_V, W_O (GQA
+    repeated), library-default recurrent parameters. They sit on the teacher's device and dtype."""
     tcfg = teacher.config
     param = next(teacher.parameters())
     mixers = {}

@@ -1,11 +1,11 @@
-"""Gated delta rule ops (METHOD.md section 2) and the one place a backend is chosen.
+"""Gated delta rule ops (docs/method.md, "The GDN layer") and the one place a backend is chosen.
 
     backend "torch": ops/reference.py, pure PyTorch, any device (the CPU / CI path)
     backend "fla":   ops/fla.py, flash-linear-attention's Triton kernels, CUDA only
     backend "auto":  "fla" when fla imports and a GPU is visible, else "torch"; resolved once per
                      process and logged, never a silent fallback for an explicit "fla".
 
-Teacher attention statistics (METHOD.md section 3) have their own pair, chosen the same way:
+Teacher attention statistics (docs/method.md, "Teacher statistics") have their own pair, chosen the same way:
 
     backend "torch":  ops/attention_stats_torch.py, streamed over key blocks in PyTorch, any device (the CPU path)
     backend "triton": ops/attention_stats_triton.py, one fused pass per layer, CUDA tensors only

@@ -1,4 +1,5 @@
-"""Per-query statistics of causal softmax attention (METHOD.md section 3), in pure PyTorch.
+"""Per-query statistics of causal softmax attention (docs/method.md,
+"Teacher statistics"), in pure PyTorch.
 
 For every query t of every head, from the teacher's attention probabilities p_ts (causal, optional sliding window
 W: key s visible iff 0 <= t - s < W, optional tanh softcap of the scores):

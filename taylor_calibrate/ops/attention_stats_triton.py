@@ -1,4 +1,5 @@
-"""Attention statistics in one flash-attention-style Triton pass per layer (METHOD.md section 3).
+"""Attention statistics in one flash-attention-style Triton pass per layer (docs/method.md,
+"Teacher statistics").
 
 Same outputs as `attention_stats` in attention_stats_torch.py (its reference; tests/test_attention_stats_kernel.py holds
 the two together): per head and query, entropy, E[t-s], p_tt, p_t0 and the sink-dropped entropy / E[t-s], without

@@ -1,4 +1,5 @@
-"""flash-linear-attention's fused Triton kernels for the gated delta rule (METHOD.md section 2).
+"""flash-linear-attention's fused Triton kernels for the gated delta rule (docs/method.md,
+"The GDN layer").
 
 The only module of the package that imports fla, and only inside functions, so importing it never
 fails on a machine without fla or without a GPU. The wrappers take exactly the arguments of the

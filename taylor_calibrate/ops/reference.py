@@ -1,4 +1,4 @@
-"""Pure-PyTorch gated delta rule: the GDN token mixer of METHOD.md section 2.
+"""Pure-PyTorch gated delta rule: the GDN token mixer of docs/method.md, "The GDN layer".
 
 One recurrence, two implementations, in flash-linear-attention's layout
 (q, k: (B, T, H, K); v: (B, T, H, V); g, beta: (B, T, H); state S: (B, H, K, V)):
@@ -8,7 +8,7 @@ One recurrence, two implementations, in flash-linear-attention's layout
     o_t = scale * S_t^T q_t                          # read, scale = K ** -0.5 by default
 
 i.e. S_t = gamma_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t k_t v_t^T, the state stored K x V
-(METHOD.md writes its transpose, V x K). `recurrent_gated_delta_rule` is the step-by-step loop and
+(docs/method.md writes its transpose, V x K). `recurrent_gated_delta_rule` is the step-by-step loop and
 the ground truth; `chunk_gated_delta_rule` computes the same thing a chunk at a time (WY / UT
 transform), which is what makes CPU training affordable. Nothing here imports fla: these are what
 the fla kernels (ops/fla.py) are tested against.
