@@ -1,6 +1,6 @@
 """fla kernels vs the torch reference on a whole hybrid (GPU): same logits within a principled tolerance.
 
-Tolerance (flash-attention's rule, STYLE.md): against an fp32 torch-reference run, the bf16 fla run's error must be
+Tolerance (flash-attention's test rule): against an fp32 torch-reference run, the bf16 fla run's error must be
 at most 2x the error of a bf16 torch-reference run (+1e-3 absolute slack on the relative RMS). Prints JSON + a table.
 
     python benchmarks/fla_vs_torch.py --teacher smollm2-135m --out results.json
