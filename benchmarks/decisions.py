@@ -63,7 +63,7 @@ VARIANTS = [
     ("taylor, align batch x2", "taylor", {}, {}, {"batch_size": 2 * PROFILES["quick"]["align_batch_size"]}),
     ("taylor, align weight decay 0", "taylor", {}, {}, {"weight_decay": 0.0}),
     ("taylor, o_norm trained", "taylor", {}, {}, {"train_o_norm": True}),
-    # the two best of the above (CPU quick, 100 steps: lr 2e-3 16.21 -> 14.58, lr_qkv 3e-4 -> 15.16), and lr further up
+    # the two best of the above together, and lr further up
     ("taylor, align lr 2e-3 + lr_qkv 3e-4", "taylor", {}, {}, {"lr": 2e-3, "lr_qkv": 3e-4}),
     ("taylor, align lr 4e-3", "taylor", {}, {}, {"lr": 4e-3}),
     ("copy, align lr 2e-3 + lr_qkv 3e-4", "copy", {}, {}, {"lr": 2e-3, "lr_qkv": 3e-4}),
@@ -79,8 +79,8 @@ VARIANTS = [
     ("taylor, lr_dynamics 3e-2", "taylor", {}, {}, {"lr_dynamics": 3e-2}),
     # (the rows "taylor, qk_rope mean" of decisions_cpu_quick_qkrope_align100.md ran with commit 90c2729's CalibArgs
     # qk_rope option - phase 1 also setting the keys' directions from the teacher's RoPE - removed after it lost)
-    # taylor's half-lives (d_h: 10-140 tokens) are far longer than copy's library defaults (mostly 2-20), and frozen,
-    # copy's did better (20.18 vs 21.90): shorter calibrated memory
+    # taylor's half-lives are far longer than copy's library defaults, and with the dynamics frozen copy's did better:
+    # shorter calibrated memory
     ("taylor, half-life 0.25 d_h", "taylor", {"half_life_scale": 0.25}, {}, {}),
     ("taylor, half-life 0.25 d_h + lr_dynamics 1e-2", "taylor", {"half_life_scale": 0.25}, {}, {"lr_dynamics": 1e-2}),
     # "a third of the steps": taylor at 33 steps against copy at 100 with the same learning rates
@@ -88,12 +88,12 @@ VARIANTS = [
     ("taylor, lr_dynamics 3e-2, 33 steps", "taylor", {}, {}, {"lr_dynamics": 3e-2, "steps": 33}),
     # the same at the GPU full profile's budget (300 steps): taylor at 100
     ("taylor, lr_dynamics 1e-2, 100 steps", "taylor", {}, {}, {"lr_dynamics": 1e-2, "steps": 100}),
-    # the closed-form readout starts far ahead (GPU full: 25.8 vs 3,845) but o_proj then barely moves at lr_o 1e-4;
+    # the closed-form readout starts far ahead but o_proj then barely moves at lr_o 1e-4;
     # let it follow the features as they change
     ("readout: lstsq, lr_dynamics 1e-2, lr_o 1e-3", "taylor", {"readout": "lstsq"}, {},
      {"lr_dynamics": 1e-2, "lr_o": 1e-3}),
     ("copy, lr_dynamics 1e-2, lr_o 1e-3", "copy", {}, {}, {"lr_dynamics": 1e-2, "lr_o": 1e-3}),
-    # o_proj's learning rate (GPU full, copy with lr_dynamics 1e-2: lr_o 1e-3 5.57 / 5.99 / 7.78 vs 1e-4 5.85 / 6.01 / 8.33)
+    # o_proj's learning rate
     ("copy, lr_o 3e-3", "copy", {}, {}, {"lr_o": 3e-3}),
     ("taylor, lr_o 3e-3", "taylor", {}, {}, {"lr_o": 3e-3}),
     ("taylor, lr_o 1e-3, lr_dynamics 1e-2", "taylor", {}, {}, {"lr_o": 1e-3, "lr_dynamics": 1e-2}),
@@ -113,7 +113,7 @@ VARIANTS = [
     ("readout: value (ridge 1)", "taylor", {"readout": "value", "ridge": 1.0}, {}, {}),
     ("readout: lstsq (ridge 1)", "taylor", {"readout": "lstsq", "ridge": 1.0}, {}, {}),
     ("readout: lstsq (ridge 10)", "taylor", {"readout": "lstsq", "ridge": 10.0}, {}, {}),
-    # phase 2 overfits a small calibration set (CPU quick: rel-MSE 0.11 on the calibration rows, 0.29 held out), and
+    # phase 2 overfits a small calibration set (rel-MSE far lower on the calibration rows than held out), and
     # the fits above overfit first; with more rows (--calib-seqs) the fits read more of them
     ("readout: value (ridge 1e-1, 64 rows)", "taylor", {"readout": "value", "ridge": 0.1, "fit_rows": 64}, {}, {}),
     ("readout: value (ridge 1e-2, 64 rows)", "taylor", {"readout": "value", "ridge": 1e-2, "fit_rows": 64}, {}, {}),
@@ -173,12 +173,12 @@ for _init in ("copy", "taylor", "paper"):
     VARIANTS += [(f"{_init}, wsd, lr x{m}, sink 64, 100 steps", _init, {}, {}, _phase2("wsd", m, 64.0, steps=100))
                  for m in (4, 6)]
 VARIANTS += [("paper, 1000 steps", "paper", {}, {}, {"steps": 1000})]
-# The layers' errors compound: on greedy the sum of each layer's own PPL cost (log excess 0.11) is half the composed
-# model's (0.22; decisions_h200_full_sink300_greedy_pl.md). Teacher forcing never shows a layer the drifted input it
+# The layers' errors compound: on greedy the sum of each layer's own PPL cost is about half the composed model's
+# (docs/decisions.md). Teacher forcing never shows a layer the drifted input it
 # gets in the hybrid. "student inputs k": the last k of the steps train on the hybrid's own inputs to each converted
 # layer (one hybrid pass over the calibration rows after the teacher-forced steps), targets still the teacher's
 # attention outputs; the teacher-forced steps run at a constant rate and the wsd decay keeps its length in steps.
-# H200, 300 steps: worse on uniform, no better on bypass and greedy (docs/decisions.md).
+# Rejected: worse on uniform, no better on bypass and greedy (docs/decisions.md).
 for _init in ("copy", "taylor", "paper"):
     VARIANTS += [(f"{_init}, student inputs {k}", _init, {}, {}, {"student_steps": k}) for k in (100, 150)]
 # Sixth session. The reference's phase 2 budget in tokens: 300 steps of 4 x 256 (ours: 4 x 1024), three seeds and
@@ -197,7 +197,7 @@ VARIANTS += [(f"taylor, align seq 256, 100 steps, seed {k}", "taylor", {}, {},
               {"seq_len": 256, "steps": 100, "seed": k}) for k in (1, 2)]
 VARIANTS += [("taylor, lr_o x2", "taylor", {}, {}, {"lr_o": 6e-3})]
 # A longer short conv holds more of the teacher's local attention profile (the one phase-1 setting whose effect
-# survives alignment; bypass, constant rates: conv 8 / 16 4.52 / 4.48 vs 4.55), and copy gets the same layer.
+# survives alignment), and copy gets the same layer.
 for _init in ("copy", "taylor"):
     VARIANTS += [(f"{_init}, conv {c}, seed 1", _init, {}, {"conv_size": c}, {"seed": 1}) for c in (8, 16)]
 VARIANTS += [("copy, conv 8", "copy", {}, {"conv_size": 8}, {}), ("copy, conv 16", "copy", {}, {"conv_size": 16}, {})]

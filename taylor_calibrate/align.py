@@ -250,9 +250,8 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
 class _Staging:
     """Moves a step's rows to the layer's device. Rows stored in host memory for a CUDA layer (convert.store_device_for:
     too many for the GPU) are gathered into a few rotating page-locked buffers and copied asynchronously: a copy from
-    pageable memory runs at a fraction of the bus speed and blocks the host (8B shape on an H200: phase 2 310 s from
-    pageable host rows, 209 s through these buffers, 116 s with the rows on the GPU; benchmarks/results/
-    perf_h200.md, perf_h200_scale8b_staging.md). A buffer is reused only after its copy finished."""
+    pageable memory runs at a fraction of the bus speed and blocks the host (measured by benchmarks/perf.py's scale
+    part). A buffer is reused only after its copy finished."""
 
     SLOTS = 4
 

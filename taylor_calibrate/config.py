@@ -30,16 +30,15 @@ class GDNConfig:
     """Short causal depthwise conv on q/k/v (fla's `use_short_conv`, on by default there) and its library init, which
     the `copy` / `zero_gate` baselines keep: "random" (fla's: nn.Conv1d's default), "identity", or "none" (no conv:
     SiLU on q/k/v, as the reference). `taylor` sets the convs itself (v: the teacher's local attention profile, q/k:
-    identity; --calib.local_profile), `paper` to identity (the reference's conv-free layer at step 0). With convs,
-    taylor + alignment: 4.20 / 4.55 / 4.68 PPL on uniform / bypass / greedy against 4.54 / 4.71 / 5.11 without
-    (H200, docs/decisions.md)."""
+    identity; --calib.local_profile), `paper` to identity (the reference's conv-free layer at step 0). The convs carry
+    the local part of the attention pattern that a RoPE-free recurrence cannot (docs/decisions.md, "short conv")."""
     conv_size: int = 4
     """Kernel size of the short convolution."""
     qk_activation: str = "silu"
     """Activation on q and k before L2 normalisation: "silu" (fla) or "identity"."""
     v_activation: str = "identity"
-    """Activation on v: "identity" (keeps the teacher's values linear, as attention mixes them; CPU quick, 100
-    alignment steps: 18.72 -> 16.21 PPL, docs/decisions.md) or "silu" (fla's layer)."""
+    """Activation on v: "identity" (keeps the copied values linear, as attention mixes them; docs/decisions.md,
+    "v activation") or "silu" (fla's layer)."""
     output_norm: bool = True
     """Per-head RMSNorm on the recurrent readout before the gate (fla's o_norm)."""
     gate: str = "swish"
@@ -179,30 +178,23 @@ class AlignArgs:
     output."""
 
     steps: int | None = None
-    """Optimizer steps per layer (None: from --profile, 300 full / 100 quick). Longer is better but phase 1's lead
-    fades: H200, SmolLM2, uniform / bypass / greedy, lr_qkv 9e-4, taylor + alignment 4.05 / 4.37 / 4.22 at 300
-    steps, 3.87 / 4.14 / 3.99 at 1000 (at 9.9 s per 300 steps on the H200, about 23 s more), copy + alignment 4.44 /
-    4.85 / 4.60 and 4.03 / 4.31 / 4.13 (docs/decisions.md)."""
+    """Optimizer steps per layer (None: from --profile). More steps lower the perplexity further but shrink phase 1's
+    lead over a copy-only start (docs/decisions.md, "phase 2 budget")."""
     batch_size: int | None = None
-    """Sequences per step (None: from --profile, 4 full / 2 quick), cycled deterministically through the stored rows
+    """Sequences per step (None: from --profile), cycled deterministically through the stored rows
     (a seeded permutation per epoch)."""
     seq_len: int | None = None
     """Crop training rows to their first seq_len tokens (cheaper steps on CPU); None = full rows (the quick
     profile crops to 256). Evaluation always uses full rows."""
     lr: float = 6e-3
     """Learning rate of the new parameters other than the decay and write gate (those take `lr_dynamics`): g_proj,
-    short convs, and o_norm when it trains (the reference: 1e-3 for all new parameters). The four learning rates
-    keep the ratios tuned one by one (lr 2e-3, lr_qkv 3e-4, lr_o 1e-3, lr_dynamics 1e-2) and are 3x those: with the
-    wsd schedule that lowered H200 taylor + alignment from 4.20 / 4.55 / 4.61 to 4.05 / 4.37 / 4.44 on uniform /
-    bypass / greedy (x2: 4.08 / 4.40 / 4.51, x4 4.04 / 4.38 / 4.43, x6 worse; docs/decisions.md). lr_qkv was then
-    raised on its own for the full profile (below)."""
+    short convs, and o_norm when it trains (the reference: 1e-3 for all new parameters). The learning rates keep the
+    ratios tuned one at a time, scaled together for the wsd schedule (docs/decisions.md, "phase 2 learning rates",
+    "phase 2 schedule and scale")."""
     lr_qkv: float | None = None
-    """Learning rate of the copied projections q_proj, k_proj, v_proj (the reference: 1e-4). None: from --profile,
-    3.6e-3 full / 9e-4 quick: the best rate depends on the budget. H200 full (300 steps of 4 x 1024), seed 0, taylor +
-    alignment uniform / bypass / greedy: 9e-4 4.05 / 4.37 / 4.22, 1.8e-3 4.00 / 4.32 / 4.15, 2.7e-3 3.96 / 4.27 / 4.11,
-    3.6e-3 3.95 / 4.26 / 4.10 (copy and paper gain alike; phase 1 gets the scales right, alignment has to turn the
-    copied directions). CPU quick (100 steps of 2 x 256), uniform, seeds 0 / 1: 9e-4 8.89 / 8.79, 3.6e-3 9.21 / 9.06
-    (docs/decisions.md)."""
+    """Learning rate of the copied projections q_proj, k_proj, v_proj (the reference: 1e-4). None: from --profile:
+    the best rate depends on the step budget (phase 1 gets the scales right; alignment has to turn the copied
+    directions; docs/decisions.md, "copied projections' learning rate")."""
     lr_o: float = 3e-3
     """Learning rate of o_proj (when it trains)."""
     lr_dynamics: float | None = 3e-2
@@ -213,28 +205,23 @@ class AlignArgs:
     grad_clip: float = 1.0
     """Max gradient norm, per layer (<= 0: no clipping)."""
     train_o_proj: bool = True
-    """Also train o_proj (the reference freezes it; training it lowered aligned PPL 8.10 -> 7.34, docs/decisions.md)."""
+    """Also train o_proj (the reference freezes it; docs/decisions.md, "o_proj in phase 2")."""
     train_o_norm: bool = False
     """Also train o_norm's weight (the reference freezes it)."""
     warmup_steps: int = 0
-    """Linear learning-rate warmup over this many steps (0 = none, as the reference; 15 / 50 did not lower taylor +
-    alignment on the H200, docs/decisions.md)."""
+    """Linear learning-rate warmup over this many steps (0 = none, as the reference)."""
     schedule: str = "wsd"
     """Learning rate after warmup: "constant" (the reference), "cosine" (decay to 10% at the last step), "linear"
     (straight to 0 at the last step) or "wsd" (constant, then straight to 0 over the last `decay_fraction` of the
-    steps: at 300 steps on the H200 the best of the three decays, for every learning-rate scale; docs/decisions.md)."""
+    steps; docs/decisions.md, "phase 2 schedule and scale")."""
     decay_fraction: float = 0.2
-    """The "wsd" schedule's decay: the last this fraction of the steps (after warmup). H200, 300 steps: 0.5 gave
-    taylor + alignment 4.08 / 4.42 / 4.27 against 4.05 / 4.37 / 4.22 (lr_qkv 9e-4; docs/decisions.md)."""
+    """The "wsd" schedule's decay: the last this fraction of the steps (after warmup)."""
     adam_beta2: float = 0.999
-    """AdamW's second-moment decay (torch's default). Lower values forget the large gradients of the first steps
-    sooner: 0.95 helps copy + alignment (4.44 / 4.85 / 4.60 -> 4.40 / 4.82 / 4.58) but not taylor (4.06 / 4.39 /
-    4.22; H200, 300 steps, lr_qkv 9e-4, docs/decisions.md)."""
+    """AdamW's second-moment decay (torch's default)."""
     sink_weight: float = 64.0
     """Weight of each row's first position in the loss, in positions (1 = a plain mean over positions). The first
-    token is where later layers' heads park their attention (the sink): an error there moves every later token. H200,
-    greedy (layer 0 converted), 300 steps: taylor + alignment 4.44 -> 4.22 with 64 (16: 4.28, 256: 4.25), its layer
-    0 alone from 3.561 to 3.380 PPL (teacher 3.369); uniform / bypass (layer 0 kept) unchanged (docs/decisions.md)."""
+    token is where later layers' heads park their attention (the sink): an error there moves every later token
+    (docs/decisions.md, "first position in the loss")."""
     layer_group: int | None = None
     """Layers trained together in one stacked forward/backward (None: all; fewer bounds activation memory). The
     result does not depend on it."""
@@ -271,13 +258,12 @@ class DataArgs(CorpusSpec):
     """Which text to calibrate on and which to evaluate on (never overlapping documents)."""
 
     seq_len: int | None = None
-    """Tokens per sequence, for calibration and evaluation (None: from --profile, 1024 full / 512 quick)."""
+    """Tokens per sequence, for calibration and evaluation (None: from --profile)."""
     calib_seqs: int | None = None
-    """Number of calibration sequences (None: from --profile, 128 full / 64 quick). Phase 2 cycles through them, and
-    a small set is what limited it: H200, 300 steps, taylor + alignment 5.57 / 5.90 / 7.36 PPL (uniform / bypass /
-    greedy) with 16, 4.70 / 4.79 / 5.19 with 64, 4.54 / 4.71 / 5.11 with 128 (docs/decisions.md)."""
+    """Number of calibration sequences (None: from --profile). Phase 2 cycles through them and overfits a small set
+    (docs/decisions.md, "calibration rows")."""
     eval_seqs: int | None = None
-    """Number of held-out sequences for perplexity (None: from --profile, 32 full / 16 quick)."""
+    """Number of held-out sequences for perplexity (None: from --profile)."""
 
     def __post_init__(self):
         for name in ("seq_len", "calib_seqs", "eval_seqs"):
@@ -287,8 +273,8 @@ class DataArgs(CorpusSpec):
 
 INITS = ("copy", "zero_gate", "paper", "taylor")
 
-# Sizes that `--profile` fills in where an option is left unset (None). "full" is the GPU setting; "quick" keeps
-# the default conversion of the embedded teacher under 10 minutes on a 2-core CPU.
+# Sizes that `--profile` fills in where an option is left unset (None). "full" is the GPU setting; "quick" is
+# sized for a small CPU.
 PROFILES = {
     "full": {"seq_len": 1024, "calib_seqs": 128, "eval_seqs": 32, "align_steps": 300, "align_batch_size": 4,
              "align_seq_len": None, "align_lr_qkv": 3.6e-3},
@@ -458,9 +444,9 @@ class TrainArgs:
     distribution."""
 
     tokens: int | None = None
-    """Training-token budget (None: from --profile, 8M full / 32K quick)."""
+    """Training-token budget (None: from --profile)."""
     batch_size: int | None = None
-    """Rows per optimizer step, over all processes (None: from --profile, 16 full / 2 quick). The loss curve
+    """Rows per optimizer step, over all processes (None: from --profile). The loss curve
     does not depend on how many processes share it."""
     micro_batch_size: int | None = None
     """Rows per forward pass per process (None: batch_size / processes, i.e. no gradient accumulation)."""
@@ -491,9 +477,9 @@ class TrainArgs:
     """Under torchrun: "ddp" (replicated model) or "fsdp" (FSDP2 `fully_shard`, per decoder layer)."""
     compile: bool | None = None
     """torch.compile every decoder layer of student and teacher and the KL loss (fuses the norms, activations, rotary
-    and the loss's passes over the logits; fla's kernels stay as they are). None: on with CUDA (1.5B shape on an H200,
-    micro-batch 4: 23.0K -> 30.5K tokens/s, peak memory 68 -> 37 GB; benchmarks/results/perf_h200.md), off on a CPU.
-    The first step pays the compilation."""
+    and the loss's passes over the logits; fla's kernels stay as they are), which raises throughput and lowers peak
+    memory (docs/decisions.md, "distillation compile"). None: on with CUDA, off on a CPU. The first step pays the
+    compilation."""
     peak_tflops: float | None = None
     """Peak dense bf16 TFLOP/s of one accelerator for the MFU estimate (None: known GPUs, e.g. H100/H200 989)."""
     seed: int = 0

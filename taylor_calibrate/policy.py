@@ -19,8 +19,7 @@ from tqdm.auto import tqdm
 SCORED = ("bypass", "greedy")
 SCORE_RESOLUTION = 0.01
 """Scores (log-perplexities, nats) are ranked rounded to this, equal ones in layer order: a GPU's run-to-run rounding
-moved greedy's scores of two SmolLM2 layers (11.4357 vs 11.4364 nats) past each other between two runs, and with
-them the kept layers. (Two scores that straddle a rounding boundary can still swap; far rarer.)"""
+can move two nearly equal scores past each other between two runs, and with them the kept layers. (Two scores that straddle a rounding boundary can still swap; far rarer.)"""
 
 
 def uniform_kept(num_layers: int, keep_every: int) -> list[int]:
