@@ -14,7 +14,8 @@ from decisions import command_line, load  # benchmarks/ is the script's director
 
 from taylor_calibrate.align import align_layers, rel_mse
 from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align
-from taylor_calibrate.convert import attention_targets, calibrated_mixers
+from taylor_calibrate.calibrate import calibrated_mixers
+from taylor_calibrate.convert import attention_targets
 from taylor_calibrate.data import CorpusSpec, load_splits
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.export import write_json

@@ -56,7 +56,8 @@ from taylor_calibrate import ops
 from taylor_calibrate.align import align_layers
 from taylor_calibrate.config import (PROFILES, AlignArgs, CalibArgs, ConvertArgs, DataArgs, GDNConfig, TrainArgs,
                                      fill_align)
-from taylor_calibrate.convert import attention_targets, calibrated_mixers, convert_loaded
+from taylor_calibrate.calibrate import calibrated_mixers
+from taylor_calibrate.convert import attention_targets, convert_loaded
 from taylor_calibrate.distill import distill
 from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import convert_teacher

@@ -17,7 +17,8 @@ import torch
 
 from taylor_calibrate.align import align_layers
 from taylor_calibrate.config import INITS, AblateArgs, apply_profile
-from taylor_calibrate.convert import attention_targets, calibrated_mixers, training_backend
+from taylor_calibrate.calibrate import calibrated_mixers
+from taylor_calibrate.convert import attention_targets, training_backend
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.export import write_json

@@ -28,7 +28,7 @@ Choices (the reference's are in docs/method.md, "Phase 1: calibration", "paper")
   `lr` when asked - the reference freezes both and trains all new parameters at one rate. Weight decay applies to
   every trained parameter, as in the reference.
 - Schedule: `lr_factor` (AlignArgs.schedule; default wsd: constant, then linear to 0 over the last `decay_fraction`
-  of the steps, 20%).
+  of the steps).
 - Best state: every `log_every` steps and at the end, rel-MSE (unweighted) is measured on fixed evaluation rows (the
   first `eval_rows` stored rows, full length, no grad) and the parameters with the lowest value so far are kept; the
   initial state is the first candidate, so alignment never leaves a layer worse on those rows than it found it.
@@ -46,7 +46,6 @@ Choices (the reference's are in docs/method.md, "Phase 1: calibration", "paper")
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -60,6 +59,7 @@ from tqdm.auto import tqdm
 from taylor_calibrate.config import AlignArgs
 from taylor_calibrate.model.gdn import GatedDeltaNet
 from taylor_calibrate.ops import gated_delta_rule
+from taylor_calibrate.training import Clock, autocast, batch_indices, wsd
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -75,25 +75,9 @@ _GROUP_OF = {
 
 def lr_factor(step: int, args: AlignArgs) -> float:
     """Multiplier of the base learning rates for optimizer step `step` (1-based)."""
-    if step <= args.warmup_steps:
-        return step / args.warmup_steps
     if args.schedule == "constant":
         return 1.0
-    n = max(1, args.steps - args.warmup_steps)
-    progress = (step - args.warmup_steps) / n  # (0, 1]
-    if args.schedule == "cosine":
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-    if args.schedule == "linear":
-        return 1.0 - progress + 1.0 / n  # the last step still moves
-    return min(1.0, (1.0 - progress) / args.decay_fraction + 1.0 / n)
-
-
-def batch_indices(num_rows: int, batch_size: int, steps: int, seed: int) -> Tensor:
-    """(steps, batch_size) row indices: seeded permutations of range(num_rows), one per epoch, concatenated."""
-    g = torch.Generator().manual_seed(seed)
-    need = steps * batch_size
-    perms = [torch.randperm(num_rows, generator=g) for _ in range(-(-need // num_rows))]
-    return torch.cat(perms)[:need].view(steps, batch_size) if perms else torch.zeros(0, batch_size, dtype=torch.long)
+    return wsd(step, args.steps, args.decay_fraction)
 
 
 def _group_of(name: str) -> str:
@@ -118,13 +102,6 @@ def trained_parameters(mixer: GatedDeltaNet, args: AlignArgs) -> dict[str, list[
         if group in groups:
             groups[group].append((name, p))
     return {k: v for k, v in groups.items() if v}
-
-
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA (fp32 master weights), nothing on CPU: the one mixed-precision rule of training."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -339,36 +316,6 @@ class _LayerState:
             p.copy_(b)
 
 
-class Clock:
-    """Training wall time without a host sync per step: synchronises only when it starts, pauses (evaluation,
-    checkpoints) or is read (log steps)."""
-
-    def __init__(self, device):
-        self.device, self.t0, self.excluded = device, None, 0.0
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def start(self) -> None:
-        self.t0 = self._now()
-
-    @contextlib.contextmanager
-    def paused(self):
-        t = self._now()
-        yield
-        self.excluded += self._now() - t
-
-    def elapsed(self) -> float:
-        return 0.0 if self.t0 is None else self._now() - self.t0 - self.excluded
-
-    def rate(self, tokens: int) -> float | None:
-        if self.t0 is None or tokens <= 0:
-            return None
-        return tokens / self.elapsed()
-
-
 class _Method(nn.Module):
     """Calls one method of a mixer as `forward`, so `torch.func.functional_call` can run it with other parameters."""
 
@@ -465,7 +412,7 @@ class _Training:
         self.base_lrs = [lrs[g] for g in groups]
         # fused: one kernel per step instead of a few per parameter (small layers are launch-bound on a GPU)
         self.opt = torch.optim.AdamW([{"params": ps, "lr": lrs[g]} for g, ps in groups.items()],
-                                     weight_decay=args.weight_decay, betas=(0.9, args.adam_beta2),
+                                     weight_decay=args.weight_decay,
                                      fused=self.device.type == "cuda" or None) if groups else None
         self.max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
         self.sink_weight = args.sink_weight

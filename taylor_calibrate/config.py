@@ -108,18 +108,16 @@ def gdn_dict(cfg: GDNConfig) -> dict:
     return asdict(cfg)
 
 
-SCHEDULES = ("constant", "cosine", "linear", "wsd")
+SCHEDULES = ("wsd", "constant")
 
 
 @dataclass
 class CalibArgs:
-    """Phase 1 options."""
+    """Phase 1 options. `taylor` drops the attention sink's mass from d_h and c_h and normalises c_h absolutely; `paper`
+    keeps the reference's choices (sink counted, c_h min-max over the layer's heads)."""
 
     decay: bool = True
     """Set the decay from the mean attention distance d_h (half-life d_h tokens)."""
-    half_life_scale: float = 1.0
-    """taylor's decay half-life in units of d_h (1: memory halves after d_h tokens; ln 2 = 0.69 makes the decay
-    kernel's own mean distance gamma / (1 - gamma) about d_h; less: shorter memory than the teacher's mean reach)."""
     write_gate: bool = True
     """Set the write gate from the attention concentration c_h: beta*_h = beta_min + beta_span * c_h."""
     value_scale: bool = True
@@ -127,17 +125,10 @@ class CalibArgs:
     output_gate: bool = True
     """Initialise the output gate (paper: alpha * v_proj; taylor: perturbation around the head amplitude, which it
     carries; off: g_proj keeps its library init and the amplitude goes into o_proj)."""
-    far_half_life: bool = False
-    """With the local profile in the v conv: the decay's half-life is the mean distance of the attention mass beyond
-    the conv's reach, (d_h - sum_{j<K} j b_j) / (1 - sum_{j<K} b_j), instead of d_h (b_j = mean p_{t,t-j})."""
     local_profile: bool = True
     """With short convs (--gdn.short_conv identity|random): taylor sets each head's v conv kernel to the teacher's
     mean attention over the conv's K nearest offsets, p_{t,t-j} for j < K (renormalised), and the q / k convs to
     identity: the local part of the attention pattern at step 0, which the RoPE-free recurrence cannot express."""
-    sinks: str = "drop"
-    """Attention sinks in d_h and c_h: "keep" (mass on the first token counts) or "drop" (removed, renormalised)."""
-    concentration: str = "abs"
-    """Entropy normalisation: "abs" (1 - H_t / log n_t) or "minmax" (over the layer's heads, as the reference)."""
     beta_min: float = 0.3
     beta_span: float = 0.4
     gate_alpha: float = 0.01
@@ -145,29 +136,11 @@ class CalibArgs:
     sigma_rows: int = 4
     """Calibration rows used to fit sigma_h (a student forward per converted layer)."""
     fit_rows: int = 16
-    """Calibration rows phase 1 reads at most (the write gate's input direction, the lstsq / value fits)."""
-    readout: str = "scale"
-    """Output map after the recurrence: "scale" (per-head sigma_h, docs/method.md "taylor"), "lstsq" (closed-form ridge
-    fit of o_proj from the student's head outputs to the teacher's attention output, on the calibration rows) or "value"
-    (closed-form ridge fit of each head's v_proj rows so that the head's recurrent readout matches the teacher's head
-    output; W_O and the head layout stay the teacher's; then sigma_h as for "scale")."""
-    ridge: float = 1e-3
-    """Ridge strength of the lstsq / value fit (relative to the mean feature energy), shrinking toward the current
-    weights (W_O; the copied W_V)."""
+    """Calibration rows phase 1 reads at most (the write gate's and output gate's input direction)."""
 
     def __post_init__(self):
-        if self.sinks not in ("keep", "drop"):
-            raise ValueError(f"calib option sinks={self.sinks!r} must be 'keep' or 'drop'")
-        if self.concentration not in ("abs", "minmax"):
-            raise ValueError(f"calib option concentration={self.concentration!r} must be 'abs' or 'minmax'")
-        if not self.half_life_scale > 0:
-            raise ValueError(f"calib option half_life_scale={self.half_life_scale} must be > 0")
-        if self.readout not in ("scale", "lstsq", "value"):
-            raise ValueError(f"calib option readout={self.readout!r} must be 'scale', 'lstsq' or 'value'")
         if self.sigma_rows < 1 or self.fit_rows < 1:
             raise ValueError(f"calib options sigma_rows={self.sigma_rows} and fit_rows={self.fit_rows} must be >= 1")
-        if not self.ridge > 0:
-            raise ValueError(f"calib option ridge={self.ridge} must be > 0")
         if not (0 < self.beta_min and self.beta_min + self.beta_span < 1 and self.beta_span >= 0):
             raise ValueError("calib options need 0 < beta_min and beta_min + beta_span < 1")
 
@@ -208,16 +181,11 @@ class AlignArgs:
     """Also train o_proj (the reference freezes it; docs/decisions.md, "o_proj in phase 2")."""
     train_o_norm: bool = False
     """Also train o_norm's weight (the reference freezes it)."""
-    warmup_steps: int = 0
-    """Linear learning-rate warmup over this many steps (0 = none, as the reference)."""
     schedule: str = "wsd"
-    """Learning rate after warmup: "constant" (the reference), "cosine" (decay to 10% at the last step), "linear"
-    (straight to 0 at the last step) or "wsd" (constant, then straight to 0 over the last `decay_fraction` of the
-    steps; docs/decisions.md, "phase 2 schedule and scale")."""
+    """Learning rate over the steps: "wsd" (constant, then straight to 0 over the last `decay_fraction` of the steps;
+    docs/decisions.md, "phase 2 schedule and scale") or "constant" (the reference)."""
     decay_fraction: float = 0.2
-    """The "wsd" schedule's decay: the last this fraction of the steps (after warmup)."""
-    adam_beta2: float = 0.999
-    """AdamW's second-moment decay (torch's default)."""
+    """The "wsd" schedule's decay: the last this fraction of the steps."""
     sink_weight: float = 64.0
     """Weight of each row's first position in the loss, in positions (1 = a plain mean over positions). The first
     token is where later layers' heads park their attention (the sink): an error there moves every later token
@@ -236,15 +204,12 @@ class AlignArgs:
         for name in ("batch_size", "log_every", "layer_group"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"align option {name}={getattr(self, name)} must be >= 1")
-        for name in ("steps", "warmup_steps"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ValueError(f"align option {name}={getattr(self, name)} must be >= 0")
+        if self.steps is not None and self.steps < 0:
+            raise ValueError(f"align option steps={self.steps} must be >= 0")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"align option seq_len={self.seq_len} must be >= 1 or None")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ValueError(f"align option decay_fraction={self.decay_fraction} must be in (0, 1]")
-        if not 0.0 < self.adam_beta2 < 1.0:
-            raise ValueError(f"align option adam_beta2={self.adam_beta2} must be in (0, 1)")
         if self.sink_weight < 0:
             raise ValueError(f"align option sink_weight={self.sink_weight} must be >= 0")
         if self.lr_qkv is not None and self.lr_qkv < 0:

@@ -13,15 +13,13 @@ from pathlib import Path
 
 import torch
 
-from tqdm.auto import tqdm
-
 from taylor_calibrate.align import align_layers
-from taylor_calibrate.calibrate import calibrate_layer
-from taylor_calibrate.config import CalibArgs, ConvertArgs, EvalArgs, apply_profile
+from taylor_calibrate.calibrate import calibrated_mixers
+from taylor_calibrate.config import ConvertArgs, EvalArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import agreement, import_lm_eval, lm_eval_tasks, perplexity
 from taylor_calibrate.export import REPORT, load_model, save_hybrid, write_json
-from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
+from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.ops.fla import check_fla_backward
 from taylor_calibrate.policy import SCORED, bypass_scores, gdn_layers, greedy_scores, kept_layers
@@ -70,21 +68,6 @@ def store_device_for(model, rows: int, seq: int, layers, device: torch.device) -
     log.info("calibration rows of %d layers need %.1f GB, more than half the GPU's free %.1f GB: stored in host "
              "memory", len(layers), need / 2 ** 30, free / 2 ** 30)
     return torch.device("cpu")
-
-
-def calibrated_mixers(teacher, stats: TeacherStats | None, layers, init: str, calib: CalibArgs, gdn, backend: str,
-                      seed: int = 0):
-    """Copy-only mixers for `layers`, then phase 1 with method `init`."""
-    mixers = make_mixers(teacher, layers, gdn, seed)
-    for m in mixers.values():
-        m.backend = backend
-    report = {}
-    if init != "copy":
-        for i, m in tqdm(mixers.items(), desc=f"phase 1 ({init})", leave=False):
-            rows = slice(0, calib.fit_rows)
-            x, y = stats.inputs[i][rows].to(m.A_log.device), stats.head_outputs[i][rows].to(m.A_log.device)
-            report[i] = calibrate_layer(m, stats.layers[i], x, y, init, calib)
-    return mixers, report
 
 
 def training_backend(backend: str, asked: str, needed: bool) -> str:

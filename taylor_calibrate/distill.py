@@ -5,7 +5,7 @@
          + hidden_weight * sum_l |h_l - h_l^T|^2 / |h_l^T|^2  every layer's output (optional)
          + ce_weight * CE(student, next token)                (optional)
 
-Data order is a function of the step alone (seeded permutations of the training rows, `align.batch_indices`),
+Data order is a function of the step alone (seeded permutations of the training rows, `training.batch_indices`),
 and the optimizer step uses the same global batch whatever the number of processes, so a resumed run, a 1-process
 run and a `torchrun --nproc_per_node K` run follow the same loss curve. Under torchrun the student is wrapped in
 DDP or FSDP2 (`fully_shard` per decoder layer); checkpoints hold full (gathered) state dicts of the trained
@@ -30,12 +30,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from taylor_calibrate.align import Clock, autocast, batch_indices, lr_factor
 from taylor_calibrate.config import (DistillArgs, TrainArgs, apply_profile, apply_train_profile)
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.export import REPORT, load_model, write_json
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+from taylor_calibrate.training import Clock, autocast, batch_indices, warmup_cosine
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -273,13 +273,6 @@ class Metrics:
 
 
 # --- the loop ----------------------------------------------------------------------------------------------------
-@dataclass
-class _Schedule:  # what align.lr_factor reads
-    steps: int
-    warmup_steps: int
-    schedule: str = "cosine"
-
-
 def flops_per_token(student, teacher, trained: set[str]) -> float:
     """Matmul FLOPs per training token: teacher forward 2N_t, student forward 2N_s, backward through the student's
     activations 2N_s, weight gradients 2N_trained (embedding lookups excluded; attention/recurrence FLOPs ignored)."""
@@ -333,7 +326,7 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
                              {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=(device.type == "cuda" and ctx.world == 1) or None)  # one kernel per step
-    sched = _Schedule(steps, math.ceil(args.warmup * steps))
+    warmup_steps = math.ceil(args.warmup * steps)
 
     start = 0
     ckpt = latest_checkpoint(out) if resume else None
@@ -368,7 +361,7 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
     clock = Clock(device)
     last = {}
     for step in bar:
-        factor = lr_factor(step, sched)
+        factor = warmup_cosine(step, steps, warmup_steps)
         for g in opt.param_groups:
             g["lr"] = args.lr * factor
         mine = order[step - 1][ctx.rank * per_rank:(ctx.rank + 1) * per_rank]

@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from taylor_calibrate.ablate import build_all, check_policies, parse_init
-from taylor_calibrate.align import autocast
 from taylor_calibrate.config import RecoveryArgs, apply_profile, apply_train_profile
 from taylor_calibrate.convert import attention_targets, training_backend
 from taylor_calibrate.data import load_splits
@@ -35,6 +34,7 @@ from taylor_calibrate.policy import gdn_layers
 from taylor_calibrate.retrieval import niah_scores
 from taylor_calibrate.stats import collect_stats
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+from taylor_calibrate.training import autocast
 
 log = logging.getLogger("taylor_calibrate")
 

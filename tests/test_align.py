@@ -250,9 +250,9 @@ def test_stacked_layers_train_as_if_alone(teacher_data, monkeypatch):
     assert counts[1] - counts[None] == 12 * (len(LAYERS) - 1)  # one recurrence call per step instead of one per layer
 
 
-# the defaults, and the plain mean over positions with a short AdamW memory
-@pytest.mark.parametrize("sink_weight,beta2", [(64.0, 0.999), (1.0, 0.9)])
-def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight, beta2):
+# the defaults, and the plain mean over positions at a constant rate
+@pytest.mark.parametrize("sink_weight,schedule", [(64.0, "wsd"), (1.0, "constant")])
+def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight, schedule):
     """The vmapped stack (all layers' projections, convs and gates batched; parameters as slices of one tensor; clipping
     per layer) computes what a plain loop does for each layer alone: mixer forward, MSE with the first position
     weighted `sink_weight`, clip_grad_norm_, AdamW under the schedule (the defaults: wsd, sink weight 64)."""
@@ -260,7 +260,7 @@ def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight, beta
 
     teacher, inputs, targets = teacher_data
     args = AlignArgs(**{**FAST, "steps": 5, "log_every": 5, "grad_clip": 0.05,  # a small clip: it acts
-                        "sink_weight": sink_weight, "adam_beta2": beta2})
+                        "sink_weight": sink_weight, "schedule": schedule})
     stacked = fresh_mixers(teacher)
     report = align_layers(stacked, inputs, targets, args)
     plain = fresh_mixers(teacher)
@@ -273,7 +273,7 @@ def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight, beta
         for p in m.parameters():
             p.requires_grad_(any(p is q for q in params))
         opt = torch.optim.AdamW([{"params": [p for _, p in g], "lr": lrs[k]} for k, g in groups.items()],
-                                weight_decay=args.weight_decay, betas=(0.9, beta2))
+                                weight_decay=args.weight_decay)
         w = torch.ones(inputs[l].shape[1])
         w[0] = args.sink_weight
         for step, r in enumerate(rows, 1):
@@ -351,14 +351,8 @@ def test_profile_fills_the_copied_projections_rate_and_align_needs_one(teacher_d
 
 
 def test_lr_schedule():
-    a = AlignArgs(steps=100, batch_size=4, warmup_steps=10, schedule="cosine")
-    assert lr_factor(1, a) == pytest.approx(0.1) and lr_factor(10, a) == pytest.approx(1.0)
-    assert lr_factor(100, a) == pytest.approx(0.1) and 0.1 < lr_factor(50, a) < 1.0
     c = AlignArgs(steps=100, batch_size=4, schedule="constant")
     assert all(lr_factor(s, c) == 1.0 for s in (1, 50, 100))
-    lin = AlignArgs(steps=100, batch_size=4, warmup_steps=10, schedule="linear")
-    assert lr_factor(11, lin) == pytest.approx(1.0) and lr_factor(100, lin) == pytest.approx(1 / 90)
-    assert lr_factor(55, lin) == pytest.approx(0.5 + 1 / 90)
     w = AlignArgs(steps=100, batch_size=4, schedule="wsd")
     assert all(lr_factor(s, w) == 1.0 for s in (1, 50, 80)) and lr_factor(90, w) == pytest.approx(0.51)
     assert lr_factor(100, w) == pytest.approx(0.01)
@@ -366,10 +360,8 @@ def test_lr_schedule():
     assert lr_factor(50, w5) == 1.0 and lr_factor(75, w5) == pytest.approx(0.51)
     with pytest.raises(ValueError, match="decay_fraction"):
         AlignArgs(decay_fraction=0.0)
-    with pytest.raises(ValueError, match="adam_beta2"):
-        AlignArgs(adam_beta2=1.0)
     with pytest.raises(ValueError, match="schedule"):
-        AlignArgs(schedule="step")
+        AlignArgs(schedule="cosine")
     with pytest.raises(ValueError, match="sink_weight"):
         AlignArgs(sink_weight=-1.0)
 

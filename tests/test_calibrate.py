@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from conftest import one_thread, tiny_teacher
 
-from taylor_calibrate.calibrate import _fit_v_proj, calibrate_layer, concentration, distance, inv_softplus
+from taylor_calibrate.calibrate import calibrate_paper, calibrate_taylor, concentration, distance, inv_softplus
 from taylor_calibrate.config import CalibArgs, GDNConfig
-from taylor_calibrate.convert import calibrated_mixers
+from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.model.hybrid import make_mixers
 from taylor_calibrate.stats import collect_stats
 
@@ -89,15 +89,13 @@ def _least_squares(y, s):
 # ----------------------------------------------------------------------------- taylor: decay
 
 
-@pytest.mark.parametrize("sinks", ["drop", "keep"])
-def test_taylor_decay_halves_memory_after_d_tokens(teacher, sinks):
+def test_taylor_decay_halves_memory_after_d_tokens(teacher):
     model, stats = teacher
-    calib = CalibArgs(sinks=sinks)
-    mixers, report = _calibrated(model, stats, calib=calib)
+    mixers, report = _calibrated(model, stats)
     for i, mixer in mixers.items():
         st = stats.layers[i]
-        d = distance(st, calib)
-        want = (st.distance_nosink if sinks == "drop" else st.distance).clamp_min(0.5)
+        d = distance(st)
+        want = st.distance_nosink.clamp_min(0.5)  # the sink's mass dropped
         torch.testing.assert_close(d, want)
         assert (d > 1).all() and d.std() > 0.1, "distances must differ per head for the test to mean something"
         assert not mixer.a_proj.weight.any()
@@ -108,30 +106,18 @@ def test_taylor_decay_halves_memory_after_d_tokens(teacher, sinks):
         assert report[i]["half_life"] == pytest.approx(d.tolist())
 
 
-def test_taylor_half_life_scale(teacher):
-    model, stats = teacher
-    mixers, report = _calibrated(model, stats, calib=CalibArgs(half_life_scale=0.25))
-    for i, mixer in mixers.items():
-        d = distance(stats.layers[i], CalibArgs())
-        gamma = mixer.features(stats.inputs[i][:1])[3][0, 0].exp()
-        torch.testing.assert_close(gamma ** (0.25 * d), torch.full((H,), 0.5), rtol=0, atol=1e-4)
-        assert report[i]["half_life"] == pytest.approx((0.25 * d).tolist())
-
-
 # ----------------------------------------------------------------------------- taylor: local profile (short conv)
 
 
-@pytest.mark.parametrize("sinks", ["drop", "keep"])
-def test_taylor_local_profile_takes_effect(teacher, sinks):
+def test_taylor_local_profile_takes_effect(teacher):
     """With short convs, head h's conv output on v is the teacher's mean local attention over the K nearest
     offsets applied to the values (renormalised), and q / k pass through unchanged."""
     model, stats = teacher
     K = 4
-    mixers, report = _calibrated(model, stats, calib=CalibArgs(sinks=sinks),
-                                 gdn=GDNConfig(short_conv="random", conv_size=K))
+    mixers, report = _calibrated(model, stats, gdn=GDNConfig(short_conv="random", conv_size=K))
     for i, mixer in mixers.items():
         st = stats.layers[i]
-        band = (st.band_nosink if sinks == "drop" else st.band)[:, :K]
+        band = st.band_nosink[:, :K]
         prof = band / band.sum(1, keepdim=True)
         assert (band.sum(1) > 0.05).all() and prof.std(0).max() > 0.01, "profiles must differ for the test to mean it"
         torch.testing.assert_close(torch.tensor(report[i]["local_profile"]), prof)
@@ -142,20 +128,6 @@ def test_taylor_local_profile_takes_effect(teacher, sinks):
         torch.testing.assert_close(ck, k)
         want = sum(prof[:, j].repeat_interleave(D) * F.pad(v, (0, 0, j, 0))[:, :v.shape[1]] for j in range(K))
         torch.testing.assert_close(cv, want, rtol=1e-5, atol=1e-6)
-
-
-def test_taylor_far_half_life(teacher):
-    """far_half_life: the decay halves memory after the mean distance of the mass beyond the conv's K offsets."""
-    model, stats = teacher
-    K = 4
-    mixers, report = _calibrated(model, stats, calib=CalibArgs(far_half_life=True), gdn=GDNConfig(conv_size=K))
-    for i, mixer in mixers.items():
-        st = stats.layers[i]
-        b = st.band_nosink[:, :K]
-        want = ((distance(st, CalibArgs()) - b @ torch.arange(K).float()) / (1 - b.sum(1))).clamp_min(K)
-        assert (want > distance(st, CalibArgs())).all()  # removing the near mass lengthens the mean reach
-        gamma = mixer.features(stats.inputs[i][:1])[3][0, 0].exp()
-        torch.testing.assert_close(gamma ** want, torch.full((H,), 0.5), rtol=0, atol=1e-4)
 
 
 def test_paper_convs_are_identity_so_its_layer_is_the_references(teacher):
@@ -184,18 +156,14 @@ def test_local_profile_off_keeps_the_library_conv(teacher):
 # ----------------------------------------------------------------------------- taylor: write gate
 
 
-@pytest.mark.parametrize("sinks, norm", [("drop", "abs"), ("keep", "abs"), ("keep", "minmax")])
-def test_taylor_mean_write_gate_is_beta_star(teacher, sinks, norm):
+def test_taylor_mean_write_gate_is_beta_star(teacher):
     model, stats = teacher
-    calib = CalibArgs(sinks=sinks, concentration=norm)
+    calib = CalibArgs()
     mixers, report = _calibrated(model, stats, calib=calib)
     for i, mixer in mixers.items():
         st = stats.layers[i]
-        if norm == "abs":
-            c = (st.concentration_abs_nosink if sinks == "drop" else st.concentration_abs).clamp(0, 1)
-        else:
-            c = 1 - (st.entropy - st.entropy.min()) / (st.entropy.max() - st.entropy.min())
-        torch.testing.assert_close(concentration(st, calib), c)
+        c = st.concentration_abs_nosink.clamp(0, 1)  # absolute normalisation, the sink's mass dropped
+        torch.testing.assert_close(concentration(st), c)
         beta_star = calib.beta_min + calib.beta_span * c
         assert beta_star.max() - beta_star.min() > 0.05, "beta* must differ per head for the test to mean something"
         _, _, _, _, beta = mixer.features(stats.inputs[i])  # every calibration token
@@ -259,7 +227,7 @@ def test_taylor_gate_perturbation_is_small_for_a_quiet_head(teacher):
     y = stats.head_outputs[i].clone().view(8, -1, H, D)
     y[:, :, 0] *= 0.01  # a quiet head
     y = y.view(8, -1, H * D)
-    report = calibrate_layer(mixer, stats.layers[i], stats.inputs[i], y, "taylor", CalibArgs())
+    report = calibrate_taylor(mixer, stats.layers[i], stats.inputs[i], y, CalibArgs())
     assert abs(report["sigma"][0]) < 0.03
     s, gate = _student_heads(mixer, model.model.layers[i].self_attn, stats.inputs[i][:ROWS])
     assert (gate.std((0, 1, 3)) < 0.2 * gate.mean((0, 1, 3))).all()
@@ -319,47 +287,6 @@ def test_taylor_value_scale_off_leaves_unit_amplitude(teacher):
         torch.testing.assert_close(_column_scale(mixer, model.model.layers[i].self_attn), torch.ones(H))
 
 
-@torch.no_grad()
-def test_value_fit_recovers_the_v_proj_that_made_the_targets(teacher):
-    """The readout is linear in v_proj, so targets made by a known v_proj (and bias) times a per-head scale are fitted
-    exactly back to that v_proj at a vanishing ridge."""
-    model, stats = teacher
-    mixer = _calibrated(model, stats, gdn=GDNConfig(short_conv="none"))[0][LAYERS[0]]
-    mixer.v_proj.bias = torch.nn.Parameter(torch.zeros(H * D))  # the bias column of the fit too (Qwen2's layers)
-    x = stats.inputs[LAYERS[0]]
-    w_star = torch.randn_like(mixer.v_proj.weight) * mixer.v_proj.weight.std()
-    b_star = torch.randn(H * D) * 0.1
-    scale = torch.tensor([0.5, -2.0, 1.0, 3.0])
-    orig = mixer.v_proj.weight.clone()
-    mixer.v_proj.weight.copy_(w_star)
-    mixer.v_proj.bias.copy_(b_star)
-    y = (mixer.readout(*mixer.features(x)) * scale[:, None]).flatten(2)
-    mixer.v_proj.weight.copy_(orig)
-    mixer.v_proj.bias.zero_()
-    rep = _fit_v_proj(mixer, x, y, ridge=1e-9, scale=scale)
-    # the inputs share a direction (nearly collinear columns), so compare what the weights do, not the weights
-    fitted = (mixer.readout(*mixer.features(x)) * scale[:, None]).flatten(2)
-    assert ((fitted - y).pow(2).mean() / y.pow(2).mean()).item() < 1e-5
-    assert abs(rep["after"]) < 1e-5 and rep["before"] > 0.5
-
-
-def test_value_fit_lowers_the_head_error_and_keeps_w_o(teacher):
-    """readout "value": each head's readout moves toward its teacher head output (W_O stays the teacher's, up to
-    sigma's per-head column signs), and sigma_h still takes effect afterwards (LS factor 1)."""
-    model, stats = teacher
-    mixers, report = _calibrated(model, stats, calib=CalibArgs(readout="value", ridge=1e-2),
-                                 gdn=GDNConfig(short_conv="none"))
-    for i, mixer in mixers.items():
-        attn = model.model.layers[i].self_attn
-        assert report[i]["value_fit_rel_mse"]["after"] < report[i]["value_fit_rel_mse"]["before"]
-        assert set(_column_scale(mixer, attn).abs().round(decimals=5).tolist()) == {1.0}
-        s, _ = _student_heads(mixer, attn, stats.inputs[i][:ROWS])
-        ls, _, _ = _least_squares(stats.head_outputs[i][:ROWS].view(ROWS, -1, H, D), s)
-        torch.testing.assert_close(ls, torch.ones(H), rtol=0, atol=0.05)
-    with pytest.raises(ValueError, match="readout value needs a readout linear in v_proj"):
-        _calibrated(model, stats, calib=CalibArgs(readout="value"), gdn=GDNConfig(v_activation="silu"))
-
-
 def test_calibration_is_deterministic(teacher):
     model, stats = teacher
     a, _ = _calibrated(model, stats)
@@ -403,8 +330,8 @@ def test_paper_decay_clamps_the_rate():
     model = tiny_teacher("llama")
     mixer = make_mixers(model, [0], GDNConfig())[0]
     x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0))
-    calibrate_layer(mixer, st, x, torch.randn(2, 8, H * D), "paper", CalibArgs(write_gate=False, value_scale=False,
-                                                                               output_gate=False))
+    calibrate_paper(mixer, st, x, torch.randn(2, 8, H * D), CalibArgs(write_gate=False, value_scale=False,
+                                                                      output_gate=False))
     want = torch.tensor([math.log(2) / 0.5, math.log(2) / 0.5, 1e-3, math.log(2) / 20])
     torch.testing.assert_close(F.softplus(mixer.dt_bias.data), want)
 
@@ -492,14 +419,9 @@ def test_zero_gate_zeroes_only_g_proj(teacher):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"sinks": "maybe"}, "sinks='maybe' must be 'keep' or 'drop'"),
-    ({"concentration": "relative"}, "concentration='relative' must be 'abs' or 'minmax'"),
     ({"beta_min": 0.0}, "0 < beta_min and beta_min \\+ beta_span < 1"),
     ({"beta_min": 0.5, "beta_span": 0.5}, "beta_min \\+ beta_span < 1"),
     ({"beta_span": -0.1}, "beta_min"),
-    ({"half_life_scale": 0.0}, "half_life_scale=0.0 must be > 0"),
-    ({"readout": "mlp"}, "readout='mlp' must be 'scale', 'lstsq' or 'value'"),
-    ({"ridge": 0.0}, "ridge=0.0 must be > 0"),
 ])
 def test_calib_args_bad_options(kw, match):
     with pytest.raises(ValueError, match=match):
