@@ -13,7 +13,7 @@ import json
 from decisions import command_line, load  # benchmarks/ is the script's directory
 
 from taylor_calibrate.align import align_layers, rel_mse
-from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align
+from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align, load_profile
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.convert import attention_targets
 from taylor_calibrate.data import CorpusSpec, load_splits
@@ -39,7 +39,7 @@ def main():
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    prof = PROFILES[a.profile]
+    prof = load_profile(a.profile)["data"]
     device, backend, teacher = load(a.teacher, a.device)
     model = teacher.model
     n = model.config.num_hidden_layers

@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 
 from taylor_calibrate.align import align_layers, rel_mse
-from taylor_calibrate.config import AlignArgs, CalibArgs, GDNConfig, PROFILES, fill_align
+from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align, load_profile
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.convert import attention_targets
 from taylor_calibrate.data import CorpusSpec, load_splits
@@ -55,7 +55,7 @@ VARIANTS = [
     ("taylor, align lr 2e-3", "taylor", {}, {}, {"lr": 2e-3}),
     ("taylor, align lr_qkv 3e-4", "taylor", {}, {}, {"lr_qkv": 3e-4}),
     ("taylor, align lr_o 3e-4", "taylor", {}, {}, {"lr_o": 3e-4}),
-    ("taylor, align batch x2", "taylor", {}, {}, {"batch_size": 2 * PROFILES["quick"]["align_batch_size"]}),
+    ("taylor, align batch x2", "taylor", {}, {}, {"batch_size": 2 * load_profile("quick")["phase2"]["batch_size"]}),
     ("taylor, align weight decay 0", "taylor", {}, {}, {"weight_decay": 0.0}),
     ("taylor, o_norm trained", "taylor", {}, {}, {"train_o_norm": True}),
     # the two best of the above together, and lr further up
@@ -222,12 +222,12 @@ def main():
     unknown = sorted(set(only or ()) - {v[0] for v in VARIANTS})
     if unknown:
         ap.error(f"--only names unknown variants {unknown}; the names are VARIANTS' first fields in this script")
-    prof = PROFILES[a.profile]
+    prof = load_profile(a.profile)
     device, backend, teacher = load(a.teacher, a.device)
     model = teacher.model
     n = model.config.num_hidden_layers
-    splits = load_splits(CorpusSpec(), teacher.tokenizer, prof["seq_len"], a.calib_seqs or prof["calib_seqs"],
-                         prof["eval_seqs"])
+    splits = load_splits(CorpusSpec(), teacher.tokenizer, prof["data"]["seq_len"],
+                         a.calib_seqs or prof["data"]["calib_seqs"], prof["data"]["eval_seqs"])
     kept = kept_layers(ABLATION_KEPT.get(a.policy, a.policy), n, 4)
     converted = gdn_layers(kept, n)
     stats = collect_stats(model, splits.calib, store_layers=converted, store_device=device)
@@ -253,7 +253,7 @@ def main():
             if student:
                 first = AlignArgs(**{**kw, "steps": kw["steps"] - student, "schedule": "constant"})
                 align_layers(mixers, inputs, targets, fill_align(first, a.profile))
-                inputs = hybrid_inputs(model, mixers, splits.calib, prof["align_batch_size"], device)
+                inputs = hybrid_inputs(model, mixers, splits.calib, prof["phase2"]["batch_size"], device)
                 decay = AlignArgs(**kw).decay_fraction * kw["steps"] / student
                 kw = {**kw, "steps": student, "decay_fraction": min(1.0, decay)}
             rep = align_layers(mixers, inputs, targets, fill_align(AlignArgs(**kw), a.profile))

@@ -54,8 +54,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from taylor_calibrate import ops
 from taylor_calibrate.align import align_layers
-from taylor_calibrate.config import (PROFILES, AlignArgs, CalibArgs, ConvertArgs, DataArgs, GDNConfig, TrainArgs,
-                                     fill_align)
+from taylor_calibrate.config import (AlignArgs, CalibArgs, ConvertArgs, DataArgs, GDNConfig, TrainArgs,
+                                     fill_align, load_profile)
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.convert import attention_targets, convert_loaded
 from taylor_calibrate.distill import distill
@@ -381,14 +381,14 @@ def part_align(a, device, dtype, res, save):
     n = model.config.num_hidden_layers
     converted = gdn_layers(kept_layers("uniform", n, 4), n)
     profile = "quick" if a.tiny else "full"
-    prof = PROFILES[profile]
+    prof = load_profile(profile)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (prof["calib_seqs"], prof["seq_len"]), generator=gen)
+    ids = torch.randint(0, model.config.vocab_size, (prof["data"]["calib_seqs"], prof["data"]["seq_len"]), generator=gen)
     stats = collect_stats(model, ids, store_layers=converted, store_device=device)
     targets = attention_targets(model, stats, converted)
     inputs = {i: stats.inputs[i] for i in converted}
     backend = ops.resolve_backend("auto")
-    steps = a.scale_align_steps or prof["align_steps"]
+    steps = a.scale_align_steps or prof["phase2"]["steps"]
 
     def run(n_steps):
         mixers, _ = calibrated_mixers(model, stats, converted, "taylor", CalibArgs(), GDNConfig(), backend)

@@ -5,13 +5,17 @@ them, and the field docstrings become `--help`.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import yaml
 from transformers import PreTrainedConfig
 
 from taylor_calibrate.data import CorpusSpec
 from taylor_calibrate.retrieval import TASKS as NIAH_TASKS
+
+log = logging.getLogger("taylor_calibrate")
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
@@ -238,19 +242,27 @@ class DataArgs(CorpusSpec):
 
 INITS = ("copy", "zero_gate", "paper", "taylor")
 
-# Sizes that `--profile` fills in where an option is left unset (None). "full" is the GPU setting; "quick" is
-# sized for a small CPU.
-PROFILES = {
-    "full": {"seq_len": 1024, "calib_seqs": 128, "eval_seqs": 32, "align_steps": 300, "align_batch_size": 4,
-             "align_seq_len": None, "align_lr_qkv": 3.6e-3},
-    "quick": {"seq_len": 512, "calib_seqs": 64, "eval_seqs": 16, "align_steps": 100, "align_batch_size": 2,
-              "align_seq_len": 256, "align_lr_qkv": 9e-4},
-}
+PROFILE_DIR = Path(__file__).parent / "profiles"
+PROFILES = ("full", "quick")
+"""Sizes that `--profile` fills in where an option is left unset (None): profiles/<name>.yaml, a dump of the arguments
+it sets. "full" is the GPU setting, "quick" the CPU one; "auto" picks full on CUDA, else quick."""
 
 
 def check_profile(profile: str) -> None:
     if profile not in ("auto", *PROFILES):
         raise ValueError(f"profile={profile!r} is not one of {('auto', *PROFILES)}")
+
+
+def load_profile(name: str) -> dict:
+    """The arguments profile `name` sets: {"data": {...}, "phase2": {...}, "train": {...}}."""
+    check_profile(name)
+    return yaml.safe_load((PROFILE_DIR / f"{name}.yaml").read_text())
+
+
+def _fill(args, values: dict) -> None:
+    for key, value in values.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
 
 @dataclass
@@ -317,27 +329,24 @@ class AblateArgs(PipelineArgs):
     """The command line to record in the results (for reproducibility)."""
 
 
-_ALIGN_FROM_PROFILE = ("steps", "batch_size", "seq_len", "lr_qkv")
-
-
 def fill_align(phase2: AlignArgs, profile: str) -> AlignArgs:
-    """Fill phase 2's unset (None) sizes and copied-projection learning rate from a profile, in place."""
-    for key in _ALIGN_FROM_PROFILE:
-        if getattr(phase2, key) is None:
-            setattr(phase2, key, PROFILES[profile][f"align_{key}"])
+    """Fill phase 2's unset (None) options from a profile, in place."""
+    _fill(phase2, load_profile(profile)["phase2"])
     return phase2
 
 
 def apply_profile(args, device_type: str) -> str:
-    """Fill unset (None) data/alignment sizes (and the copied projections' learning rate) from the profile; returns
-    the profile used."""
-    name = args.profile if args.profile != "auto" else ("full" if device_type == "cuda" else "quick")
-    prof = PROFILES[name]
-    for key in ("seq_len", "calib_seqs", "eval_seqs"):
-        if getattr(args.data, key) is None:
-            setattr(args.data, key, prof[key])
+    """Resolve `args.profile` ("auto": full on CUDA, else quick; logged), record the name in args.profile, and fill
+    the unset (None) data and phase-2 options from it; returns the name."""
+    name = args.profile
+    if name == "auto":
+        name = "full" if device_type == "cuda" else "quick"
+        log.info("profile auto -> %s (device %s)", name, device_type)
+    args.profile = name
+    prof = load_profile(name)
+    _fill(args.data, prof["data"])
     if getattr(args, "phase2", None) is not None:
-        fill_align(args.phase2, name)
+        _fill(args.phase2, prof["phase2"])
     return name
 
 
@@ -468,14 +477,9 @@ class TrainArgs:
             raise ValueError("train loss weights must be >= 0 and not all 0")
 
 
-TRAIN_PROFILES = {"full": {"tokens": 8_000_000, "batch_size": 16}, "quick": {"tokens": 32_768, "batch_size": 2}}
-
-
 def apply_train_profile(train: TrainArgs, profile: str) -> None:
-    """Fill unset (None) distillation sizes from the profile already chosen by `apply_profile`."""
-    for key, value in TRAIN_PROFILES[profile].items():
-        if getattr(train, key) is None:
-            setattr(train, key, value)
+    """Fill unset (None) distillation options from the profile already chosen by `apply_profile`."""
+    _fill(train, load_profile(profile)["train"])
 
 
 @dataclass

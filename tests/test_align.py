@@ -334,12 +334,12 @@ def test_seq_len_tokens_per_step(teacher_data):
 
 def test_profile_fills_the_copied_projections_rate_and_align_needs_one(teacher_data):
     """The best lr_qkv depends on the budget (docs/decisions.md): each profile brings its own unless one is given."""
-    from taylor_calibrate.config import PROFILES, ConvertArgs, apply_profile
+    from taylor_calibrate.config import ConvertArgs, apply_profile, load_profile
 
     for name, want in (("full", 3.6e-3), ("quick", 9e-4)):
         args = ConvertArgs(profile=name)
         apply_profile(args, "cpu")
-        assert args.phase2.lr_qkv == PROFILES[name]["align_lr_qkv"] == want
+        assert args.phase2.lr_qkv == load_profile(name)["phase2"]["lr_qkv"] == want
     args = ConvertArgs(profile="quick", phase2=AlignArgs(lr_qkv=5e-3))
     apply_profile(args, "cpu")
     assert args.phase2.lr_qkv == 5e-3

@@ -1,0 +1,48 @@
+"""Profiles: YAML dumps of the arguments they set, read into the argument dataclasses; `auto` resolved once, logged
+and recorded."""
+import logging
+from dataclasses import fields
+
+import pytest
+
+from taylor_calibrate.config import (PROFILE_DIR, PROFILES, AlignArgs, ConvertArgs, DataArgs, DistillArgs, TrainArgs,
+                                     apply_profile, apply_train_profile, load_profile)
+
+
+def test_profiles_are_the_shipped_yaml_files_and_name_only_real_options():
+    assert sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")) == sorted(PROFILES)
+    for name in PROFILES:
+        prof = load_profile(name)
+        assert set(prof) == {"data", "phase2", "train"}
+        for section, cls in (("data", DataArgs), ("phase2", AlignArgs), ("train", TrainArgs)):
+            known = {f.name for f in fields(cls)}
+            assert set(prof[section]) <= known, f"{name}.yaml {section}: {set(prof[section]) - known}"
+            cls(**prof[section])  # the values pass the dataclass's own checks
+
+
+def test_auto_resolves_once_logs_and_records_the_profile(caplog):
+    args = ConvertArgs()
+    with caplog.at_level(logging.INFO, logger="taylor_calibrate"):
+        assert apply_profile(args, "cpu") == "quick"
+    assert "profile auto -> quick" in caplog.text
+    assert args.profile == "quick"  # results record the resolved name
+    quick = load_profile("quick")
+    assert (args.data.seq_len, args.data.calib_seqs, args.data.eval_seqs) == tuple(quick["data"].values())
+    assert (args.phase2.steps, args.phase2.batch_size, args.phase2.seq_len, args.phase2.lr_qkv) == \
+        tuple(quick["phase2"].values())
+    assert apply_profile(ConvertArgs(), "cuda") == "full"
+
+
+def test_a_profile_fills_only_unset_options():
+    args = ConvertArgs(profile="full", data=DataArgs(seq_len=64), phase2=AlignArgs(steps=7))
+    apply_profile(args, "cpu")
+    assert args.data.seq_len == 64 and args.phase2.steps == 7
+    assert args.data.calib_seqs == load_profile("full")["data"]["calib_seqs"]
+    d = DistillArgs(profile="quick", train=TrainArgs(tokens=100))
+    apply_train_profile(d.train, apply_profile(d, "cpu"))
+    assert d.train.tokens == 100 and d.train.batch_size == load_profile("quick")["train"]["batch_size"]
+
+
+def test_unknown_profile_is_an_error():
+    with pytest.raises(ValueError, match="profile='huge'"):
+        ConvertArgs(profile="huge")
