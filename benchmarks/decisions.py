@@ -19,14 +19,13 @@ import torch
 from taylor_calibrate.align import align_layers, rel_mse
 from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align, load_profile
 from taylor_calibrate.calibrate import calibrated_mixers
-from taylor_calibrate.convert import attention_targets
 from taylor_calibrate.data import CorpusSpec, load_splits
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.policy import gdn_layers, kept_layers
-from taylor_calibrate.stats import capturing_inputs, collect_stats
+from taylor_calibrate.stats import attention_targets, capturing_inputs, collect_stats
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 # (name, init method, CalibArgs overrides, GDNConfig overrides, AlignArgs overrides)

@@ -57,12 +57,12 @@ from taylor_calibrate.align import align_layers
 from taylor_calibrate.config import (AlignArgs, CalibArgs, ConvertArgs, DataArgs, GDNConfig, TrainArgs,
                                      fill_align, load_profile)
 from taylor_calibrate.calibrate import calibrated_mixers
-from taylor_calibrate.convert import attention_targets, convert_loaded
+from taylor_calibrate.convert import convert_loaded
 from taylor_calibrate.distill import distill
 from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.policy import gdn_layers, kept_layers
-from taylor_calibrate.stats import collect_stats
+from taylor_calibrate.stats import attention_targets, collect_stats
 from taylor_calibrate.teacher import DEFAULT_TEACHER, Teacher, embedded_teacher_path, load_teacher, resolve_device
 
 # Teacher shapes (config fields of the public checkpoints; random weights)

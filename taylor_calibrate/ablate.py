@@ -16,16 +16,15 @@ from pathlib import Path
 import torch
 
 from taylor_calibrate.align import align_layers
-from taylor_calibrate.config import INITS, AblateArgs, apply_profile
 from taylor_calibrate.calibrate import calibrated_mixers
-from taylor_calibrate.convert import attention_targets, training_backend
+from taylor_calibrate.config import INITS, AblateArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import swapped_into
-from taylor_calibrate.ops import resolve_backend
+from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import bypass_scores, gdn_layers, greedy_scores, kept_layers
-from taylor_calibrate.stats import collect_stats
+from taylor_calibrate.stats import attention_targets, collect_stats
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 

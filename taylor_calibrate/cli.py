@@ -13,8 +13,9 @@ from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
 from taylor_calibrate.ablate import run_ablate
 from taylor_calibrate.config import AblateArgs, ConvertArgs, DistillArgs, EvalArgs, RecoveryArgs
-from taylor_calibrate.convert import run_convert, run_eval
+from taylor_calibrate.convert import run_convert
 from taylor_calibrate.distill import run_distill
+from taylor_calibrate.evaluate import run_eval
 from taylor_calibrate.recovery import run_recovery
 
 COMMANDS = {

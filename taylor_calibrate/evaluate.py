@@ -1,4 +1,5 @@
-"""Evaluation: perplexity on held-out text, agreement with the teacher, and lm-eval tasks on the in-memory model.
+"""The `eval` stage and its measures: perplexity on held-out text, agreement with the teacher, long-context retrieval
+(retrieval.py) and lm-eval tasks on the in-memory model.
 
 Perplexity protocol: the held-out documents are packed into non-overlapping rows of `seq_len` tokens
 (`data.pack_tokens`); each row is scored on its own from position 0, every token but the first predicted from
@@ -8,10 +9,20 @@ The same rows score teacher and hybrid, so their figures compare directly.
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+from taylor_calibrate.config import EvalArgs, apply_profile
+from taylor_calibrate.data import load_splits
+from taylor_calibrate.export import REPORT, load_model, write_json
+from taylor_calibrate.ops import resolve_backend
+from taylor_calibrate.retrieval import niah_scores
+from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 
 @torch.no_grad()
@@ -110,3 +121,86 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
                       if k not in ("alias", "name", "sample_len")},
                    "samples": n.get(task, {}).get("effective")}
             for task, res in out["results"].items()}
+
+
+def print_table(rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+def print_niah(scores: dict[str, dict]) -> None:
+    """Accuracy table: one row per (task, model), one column per length ("-" where the length was skipped)."""
+    first = next(iter(scores.values()))
+    lengths = list(next(iter(first.values())))
+    width = max(len(f"{task} ({who})") for who, s in scores.items() for task in s)
+    print(f"  {'NIAH accuracy':<{width}}  " + "  ".join(f"{n:>6}" for n in lengths))
+    for task in first:
+        for who, s in scores.items():
+            cells = ["     -" if s[task][n] is None else f"{s[task][n]:6.2f}" for n in lengths]
+            print(f"  {f'{task} ({who})':<{width}}  " + "  ".join(cells))
+
+
+def run_eval(args: EvalArgs) -> dict:
+    """Held-out perplexity of a saved model (and optionally of its teacher on the same text); optionally
+    long-context retrieval (--niah), agreement with the teacher (--agreement) and lm-eval tasks (--lm_eval_tasks)."""
+    t0 = time.perf_counter()
+    if args.lm_eval_tasks:
+        import_lm_eval()  # fail before the slow parts, not after them
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    backend = resolve_backend(args.backend)
+    apply_profile(args, device.type)
+    model, tokenizer = load_model(args.model, device, dtype)
+    if hasattr(model, "set_backend"):
+        model.set_backend(backend)
+    if tokenizer is None:
+        raise FileNotFoundError(f"{args.model} has no tokenizer files; save one beside the model")
+    times = {}
+    t = time.perf_counter()
+    splits = load_splits(args.data, tokenizer, args.data.seq_len, 1, args.data.eval_seqs)
+    report = {"model": args.model, "model_ppl": perplexity(model, splits.heldout, args.eval_batch_size)["ppl"]}
+    teacher = None
+    if args.teacher:
+        teacher = load_teacher(args.teacher, device, dtype)
+        report["teacher"] = args.teacher
+        report["teacher_ppl"] = perplexity(teacher.model, splits.heldout, args.eval_batch_size, "teacher ppl")["ppl"]
+    times["ppl_s"] = time.perf_counter() - t
+    if args.agreement:
+        t = time.perf_counter()
+        report["agreement"] = agreement(model, teacher.model, splits.heldout, args.eval_batch_size)
+        times["agreement_s"] = time.perf_counter() - t
+    if args.niah:  # both models read the same prompts: built from the model's tokenizer
+        niah = dict(tasks=args.niah_tasks, lengths=args.niah_lengths, samples=args.niah_samples, seed=args.niah_seed,
+                    batch_size=args.eval_batch_size)
+        t = time.perf_counter()
+        report["niah"] = niah_scores(model, tokenizer, **niah, desc="model niah")
+        times["niah_s"] = time.perf_counter() - t
+        if teacher is not None:
+            t = time.perf_counter()
+            report["teacher_niah"] = niah_scores(teacher.model, tokenizer, **niah, desc="teacher niah")
+            times["teacher_niah_s"] = time.perf_counter() - t
+    if args.lm_eval_tasks:
+        t = time.perf_counter()
+        report["lm_eval"] = lm_eval_tasks(model, tokenizer, args.lm_eval_tasks, args.lm_eval_include,
+                                          args.lm_eval_limit, args.eval_batch_size)
+        times["lm_eval_s"] = time.perf_counter() - t
+    report.update(eval_tokens=int(splits.heldout[:, 1:].numel()), backend=backend, stage_s=times,
+                  wall_s=time.perf_counter() - t0, args=asdict(args))
+    out = Path(args.out or Path(args.model) / "eval")
+    write_json(out / REPORT, report)
+
+    rows = [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in report.items()
+            if k in ("model", "model_ppl", "teacher", "teacher_ppl", "eval_tokens", "backend")]
+    if "agreement" in report:
+        a = report["agreement"]
+        rows += [("KL(teacher || model), nats/token", f"{a['kl']:.4f}"), ("top-1 agreement", f"{a['top1']:.4f}")]
+    for task, metrics in report.get("lm_eval", {}).items():
+        rows += [(f"lm_eval {task} {k}", f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in metrics.items()]
+    rows += [("stage seconds", ", ".join(f"{k[:-2]} {v:.0f}" for k, v in times.items())),
+             ("wall time", f"{report['wall_s']:.1f} s"), ("output", str(out / REPORT))]
+    print_table(rows)
+    if "niah" in report:
+        print(f"\n  ({args.niah_samples} samples per cell, greedy, answer in the continuation)")
+        print_niah({"model": report["niah"], **({"teacher": report["teacher_niah"]} if teacher is not None else {})})
+    return report

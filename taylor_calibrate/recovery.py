@@ -23,16 +23,15 @@ from safetensors.torch import load_file, save_file
 
 from taylor_calibrate.ablate import build_all, check_policies, parse_init
 from taylor_calibrate.config import RecoveryArgs, apply_profile, apply_train_profile
-from taylor_calibrate.convert import attention_targets, training_backend
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.distill import distill
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
-from taylor_calibrate.ops import resolve_backend
+from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import gdn_layers
 from taylor_calibrate.retrieval import niah_scores
-from taylor_calibrate.stats import collect_stats
+from taylor_calibrate.stats import attention_targets, collect_stats
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 from taylor_calibrate.training import autocast
 

@@ -13,6 +13,7 @@ live in ops/ (attention_stats_torch.py: PyTorch, attention_stats_triton.py: one 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from taylor_calibrate.ops import attention_stats
 from taylor_calibrate.ops.attention_stats_torch import attention_stats_naive  # noqa: F401  (public name, the reference)
 from taylor_calibrate.ops.attention_stats_torch import band_probs
+
+log = logging.getLogger("taylor_calibrate")
 
 BAND = 16
 """Offsets j = 0..BAND-1 whose mean attention p_{t,t-j} the pass records (the longest short conv GDNConfig allows)."""
@@ -229,3 +232,34 @@ def _joined(chunks: dict[int, list]) -> dict[int, torch.Tensor]:
         out[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
         del parts
     return out
+
+
+def attention_targets(teacher, stats: TeacherStats, layers, release: bool = False) -> dict[int, torch.Tensor]:
+    """Teacher attention output after W_O for each layer: the phase 2 target (docs/method.md, "Phase 2: alignment").
+    `release` drops each layer's stored head outputs once its target exists (phase 1 was their last reader), so the two
+    never coexist for more than one layer."""
+    out = {}
+    for i in layers:
+        o_proj = teacher.model.layers[i].self_attn.o_proj
+        y = stats.head_outputs.pop(i) if release else stats.head_outputs[i]
+        out[i] = torch.nn.functional.linear(y.to(o_proj.weight), o_proj.weight, o_proj.bias).to(y.device)
+    return out
+
+
+def store_device_for(model, rows: int, seq: int, layers, device: torch.device) -> torch.device:
+    """Where the calibration rows' per-layer tensors live: on the GPU when inputs, head outputs and phase-2 targets
+    of every stored layer take at most half of its free memory, else in host memory (phase 2 moves one batch at a
+    time; phase 1 a few rows). 128 rows x 1024 tokens of a Qwen3-8B shape are ~80 GB of them."""
+    if device.type != "cuda":
+        return device
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    itemsize = next(model.parameters()).element_size()
+    need = rows * seq * len(layers) * (2 * cfg.hidden_size + heads * head_dim) * itemsize
+    free, _ = torch.cuda.mem_get_info(device)
+    if need <= free / 2:
+        return device
+    log.info("calibration rows of %d layers need %.1f GB, more than half the GPU's free %.1f GB: stored in host "
+             "memory", len(layers), need / 2 ** 30, free / 2 ** 30)
+    return torch.device("cpu")

@@ -97,7 +97,7 @@ def test_cli_records_the_command_line(monkeypatch):
 def test_attention_targets_release_drops_head_outputs_and_keeps_the_targets():
     from conftest import tiny_teacher
 
-    from taylor_calibrate.convert import attention_targets
+    from taylor_calibrate.stats import attention_targets
     from taylor_calibrate.stats import collect_stats
     model = tiny_teacher("llama")
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -113,7 +113,7 @@ def test_store_device_falls_back_to_host_memory_when_the_gpu_is_short(monkeypatc
     """inputs + head outputs + targets: 2 rows x 16 tokens x 2 layers x (2 x 64 + 64) x 4 bytes = 49,152 bytes."""
     from conftest import tiny_teacher
 
-    from taylor_calibrate.convert import store_device_for
+    from taylor_calibrate.stats import store_device_for
     model = tiny_teacher("llama")
     cfg = model.config
     need = 2 * 16 * 2 * (2 * cfg.hidden_size + cfg.num_attention_heads * cfg.head_dim) * 4

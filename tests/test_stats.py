@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from conftest import ARCHS, one_thread, tiny_teacher
 
-from taylor_calibrate.convert import attention_targets
+from taylor_calibrate.stats import attention_targets
 from taylor_calibrate.ops.attention_stats_torch import OUTPUTS, band_probs
 from taylor_calibrate.stats import BAND, attention_stats, attention_stats_naive, collect_stats
 

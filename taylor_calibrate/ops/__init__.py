@@ -173,3 +173,17 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, scale: float, window: int 
                            "the rest of this process", type(e).__name__, e)
             _stats_resolved["auto", q.device.type] = "torch"
     return stats_torch.attention_stats(q, k, scale, window, softcap, block)
+
+
+def training_backend(backend: str, asked: str, needed: bool) -> str:
+    """The backend phase 2 trains with: fla's backward refuses to run on some GPU/Triton pairs (Hopper with
+    Triton < 3.7.1 and no tilelang). Asked for fla by name: fail with the fix; auto: say so and train on torch."""
+    if not needed or backend != "fla":
+        return backend
+    problem = fla_ops.check_fla_backward()
+    if problem is None:
+        return backend
+    if asked == "fla":
+        raise RuntimeError(f"phase 2 trains through fla's kernels, whose backward does not run here: {problem}")
+    logger.warning("fla's backward does not run here, so phase 2 trains on the torch path (slower). %s", problem)
+    return "torch"
