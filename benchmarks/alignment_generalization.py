@@ -12,20 +12,17 @@ import json
 
 from decisions import command_line, load  # benchmarks/ is the script's directory
 
-from taylor_calibrate.align import align_layers, rel_mse
+from taylor_calibrate.ablate import TeacherPass
+from taylor_calibrate.align import rel_mse
 from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align, load_profile
-from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.data import CorpusSpec, load_splits
-from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.export import write_json
-from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.policy import gdn_layers, kept_layers
-from taylor_calibrate.stats import attention_targets, collect_stats
 
 
-def mean_rel_mse(mixers, stats, targets) -> float:
-    """Mean over the mixers' layers of the teacher-forced rel-MSE on the rows `stats` stored."""
-    return sum(rel_mse(m, stats.inputs[i], targets[i]) for i, m in mixers.items()) / len(mixers)
+def mean_rel_mse(mixers, tp: TeacherPass) -> float:
+    """Mean over the mixers' layers of the teacher-forced rel-MSE on the rows of teacher pass `tp`."""
+    return sum(rel_mse(m, tp.stats.inputs[i], tp.targets[i]) for i, m in mixers.items()) / len(mixers)
 
 
 def main():
@@ -47,20 +44,15 @@ def main():
     rows = []
     for calib_seqs in [int(c) for c in a.calib_seqs.split(",")]:
         splits = load_splits(CorpusSpec(), teacher.tokenizer, prof["seq_len"], calib_seqs, prof["eval_seqs"])
-        train = collect_stats(model, splits.calib, store_layers=layers, store_device=device)
-        train_targets = attention_targets(model, train, layers)
-        held = collect_stats(model, splits.heldout[:a.heldout_rows], store_layers=layers, store_device=device)
-        held_targets = attention_targets(model, held, layers)
+        train = TeacherPass.run(model, splits.calib, layers, device)
+        held = TeacherPass.run(model, splits.heldout[:a.heldout_rows], layers, device)
         for init in a.inits.split(","):
-            mixers, _ = calibrated_mixers(model, train, layers, init, CalibArgs(), GDNConfig(), backend)
+            mixers, _ = train.mixers(layers, init, CalibArgs(), GDNConfig(), backend)
             row = {"calib_seqs": calib_seqs, "init": init,
-                   "phase1_calib": mean_rel_mse(mixers, train, train_targets),
-                   "phase1_heldout": mean_rel_mse(mixers, held, held_targets)}
-            align_layers(mixers, {i: train.inputs[i] for i in layers}, train_targets, align)
-            row.update(aligned_calib=mean_rel_mse(mixers, train, train_targets),
-                       aligned_heldout=mean_rel_mse(mixers, held, held_targets))
-            with swapped_into(model, mixers):
-                row["aligned_ppl"] = perplexity(model, splits.heldout)["ppl"]
+                   "phase1_calib": mean_rel_mse(mixers, train), "phase1_heldout": mean_rel_mse(mixers, held)}
+            train.align(mixers, align)
+            row.update(aligned_calib=mean_rel_mse(mixers, train), aligned_heldout=mean_rel_mse(mixers, held),
+                       aligned_ppl=train.perplexity(mixers, splits.heldout))
             rows.append(row)
             print(json.dumps(row), flush=True)
     lines = ["| calibration rows | init | rel-MSE calib / held-out after phase 1 | after alignment | aligned PPL |",

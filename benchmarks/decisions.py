@@ -16,16 +16,16 @@ from dataclasses import asdict
 
 import torch
 
-from taylor_calibrate.align import align_layers, rel_mse
+from taylor_calibrate.ablate import TeacherPass
+from taylor_calibrate.align import rel_mse
 from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align, load_profile
-from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.data import CorpusSpec, load_splits
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.policy import gdn_layers, kept_layers
-from taylor_calibrate.stats import attention_targets, capturing_inputs, collect_stats
+from taylor_calibrate.stats import capturing_inputs
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 # (name, init method, CalibArgs overrides, GDNConfig overrides, AlignArgs overrides)
@@ -229,44 +229,36 @@ def main():
                          a.calib_seqs or prof["data"]["calib_seqs"], prof["data"]["eval_seqs"])
     kept = kept_layers(ABLATION_KEPT.get(a.policy, a.policy), n, 4)
     converted = gdn_layers(kept, n)
-    stats = collect_stats(model, splits.calib, store_layers=converted, store_device=device)
-    targets = attention_targets(model, stats, converted)
+    tp = TeacherPass.run(model, splits.calib, converted, device)
     teacher_ppl = perplexity(model, splits.heldout)["ppl"]
     if a.per_layer:  # the teacher's inputs and attention outputs on the held-out rows
-        held = collect_stats(model, splits.heldout, store_layers=converted, store_device=device)
-        held_targets = attention_targets(model, held, converted)
+        held = TeacherPass.run(model, splits.heldout, converted, device)
     chosen = VARIANTS if only is None else [v for v in VARIANTS if v[0] in only]
     rows = []
     for name, method, calib_kw, gdn_kw, align_kw in chosen:
         t = time.perf_counter()
-        mixers, _ = calibrated_mixers(model, stats, converted, method, CalibArgs(**calib_kw), GDNConfig(**gdn_kw),
-                                      backend)
-        with swapped_into(model, mixers):
-            p1 = perplexity(model, splits.heldout)["ppl"]
+        mixers, _ = tp.mixers(converted, method, CalibArgs(**calib_kw), GDNConfig(**gdn_kw), backend)
+        p1 = tp.perplexity(mixers, splits.heldout)
         row = {"variant": name, "init": method, "calib": calib_kw, "gdn": gdn_kw, "align": align_kw,
                "gdn_config": asdict(GDNConfig(**gdn_kw)), "phase1_ppl": p1}
         if a.steps:
             kw = {"steps": a.steps, **align_kw}
             student = kw.pop("student_steps", 0)
-            inputs = {i: stats.inputs[i] for i in converted}
+            inputs = None  # the teacher's
             if student:
                 first = AlignArgs(**{**kw, "steps": kw["steps"] - student, "schedule": "constant"})
-                align_layers(mixers, inputs, targets, fill_align(first, a.profile))
+                tp.align(mixers, fill_align(first, a.profile))
                 inputs = hybrid_inputs(model, mixers, splits.calib, prof["phase2"]["batch_size"], device)
                 decay = AlignArgs(**kw).decay_fraction * kw["steps"] / student
                 kw = {**kw, "steps": student, "decay_fraction": min(1.0, decay)}
-            rep = align_layers(mixers, inputs, targets, fill_align(AlignArgs(**kw), a.profile))
-            with swapped_into(model, mixers):
-                row["aligned_ppl"] = perplexity(model, splits.heldout)["ppl"]
+            rep = tp.align(mixers, fill_align(AlignArgs(**kw), a.profile), inputs)
+            row["aligned_ppl"] = tp.perplexity(mixers, splits.heldout)
             row["rel_mse_after"] = rep["mean_rel_mse_after"]
             row["rel_mse_layers"] = {l: r["rel_mse_after"] for l, r in rep["layers"].items()}
             if a.per_layer:
-                row["heldout_rel_mse_layers"] = {l: rel_mse(mixers[l], held.inputs[l], held_targets[l])
+                row["heldout_rel_mse_layers"] = {l: rel_mse(mixers[l], held.stats.inputs[l], held.targets[l])
                                                  for l in converted}
-                row["alone_ppl_layers"] = {}
-                for l in converted:
-                    with swapped_into(model, {l: mixers[l]}):
-                        row["alone_ppl_layers"][l] = perplexity(model, splits.heldout)["ppl"]
+                row["alone_ppl_layers"] = {l: tp.perplexity({l: mixers[l]}, splits.heldout) for l in converted}
         row["wall_s"] = time.perf_counter() - t
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from taylor_calibrate.align import align_layers
 from taylor_calibrate.calibrate import calibrated_mixers
-from taylor_calibrate.config import INITS, AblateArgs, apply_profile
+from taylor_calibrate.config import INITS, AblateArgs, AlignArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.export import write_json
 from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import bypass_scores, gdn_layers, greedy_scores, kept_layers
-from taylor_calibrate.stats import attention_targets, collect_stats
+from taylor_calibrate.stats import TeacherStats, attention_targets, collect_stats
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 
@@ -38,17 +39,47 @@ def parse_init(spec: str) -> tuple[str, bool]:
     return method, rest == "align"
 
 
-def build_all(model, stats, targets, specs: list[tuple[str, bool]], args, backend: str, policies: list[str],
+@dataclass
+class TeacherPass:
+    """One teacher pass over calibration rows that every variant of a zero-shot comparison reuses (teacher forcing
+    makes the layers independent): statistics, the stored inputs of `layers` and their phase-2 targets. A variant is
+    then phase 1 (`mixers`), optionally phase 2 (`align`), and the teacher with its mixers swapped in (`perplexity`)."""
+
+    model: torch.nn.Module
+    stats: TeacherStats
+    targets: dict[int, Tensor]
+
+    @classmethod
+    def run(cls, model, rows: Tensor, layers, device, batch_size: int = 4) -> "TeacherPass":
+        stats = collect_stats(model, rows, store_layers=layers, batch_size=batch_size, store_device=device)
+        return cls(model, stats, attention_targets(model, stats, layers))
+
+    def mixers(self, layers, init: str, calib, gdn, backend: str, seed: int = 0):
+        """Phase 1 with method `init` on `layers`: (mixers, report)."""
+        return calibrated_mixers(self.model, self.stats, layers, init, calib, gdn, backend, seed)
+
+    def align(self, mixers: dict, args: AlignArgs, inputs: dict | None = None) -> dict:
+        """Phase 2 on `mixers` (in place), from the stored teacher inputs (or `inputs`) to the teacher's targets."""
+        inputs = {i: self.stats.inputs[i] for i in mixers} if inputs is None else inputs
+        return align_layers(mixers, inputs, {i: self.targets[i] for i in mixers}, args)
+
+    def perplexity(self, mixers: dict, heldout: Tensor, batch_size: int = 4, desc: str = "eval") -> float:
+        """Held-out perplexity of the hybrid: the teacher with `mixers` swapped in (restored after)."""
+        with swapped_into(self.model, mixers):
+            return perplexity(self.model, heldout, batch_size, desc)["ppl"]
+
+
+def build_all(tp: TeacherPass, specs: list[tuple[str, bool]], args, backend: str, policies: list[str],
               calib: torch.Tensor):
     """Phase 1 on *every* layer for each method of `specs` (plus taylor, which greedy scores with), then each
     policy's kept layers, then alignment of each aligned method on just the layers some policy converts.
     Returns (built {(method, aligned): {layer: mixer}}, alignment reports, kept, policy scores)."""
+    model = tp.model
     n = model.config.num_hidden_layers
     built: dict[tuple[str, bool], dict] = {}
     align_reports = {}
     for method in dict.fromkeys(m for m, _ in specs + [("taylor", False)]):
-        built[(method, False)], _ = calibrated_mixers(model, stats, list(range(n)), method, args.calib, args.gdn,
-                                                      backend, args.seed)
+        built[(method, False)], _ = tp.mixers(list(range(n)), method, args.calib, args.gdn, backend, args.seed)
     kept, scores = choose_layers(model, policies, built, calib, args)
     converted = sorted({i for p in policies for i in gdn_layers(kept[p], n)})
     train_backend = training_backend(backend, args.backend, any(a for _, a in specs))
@@ -57,8 +88,7 @@ def build_all(model, stats, targets, specs: list[tuple[str, bool]], args, backen
             mixers = {i: copy.deepcopy(built[(method, False)][i]) for i in converted}
             for m in mixers.values():
                 m.backend = train_backend
-            align_reports[method] = align_layers(mixers, {i: stats.inputs[i] for i in converted},
-                                                 {i: targets[i] for i in converted}, args.phase2)
+            align_reports[method] = tp.align(mixers, args.phase2)
             for m in mixers.values():
                 m.backend = backend
             built[(method, True)] = mixers
@@ -113,20 +143,16 @@ def run_ablate(args: AblateArgs) -> dict:
     d = args.data
     splits = load_splits(d, teacher.tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs)
     teacher_ppl = perplexity(model, splits.heldout, args.eval_batch_size, "teacher ppl")
-    every = list(range(n))
-    stats = collect_stats(model, splits.calib, store_layers=every, batch_size=args.eval_batch_size, store_device=device)
-    targets = attention_targets(model, stats, every)
-
-    built, align_reports, kept, scores = build_all(model, stats, targets, specs, args, backend, args.policies,
-                                                   splits.calib)
+    tp = TeacherPass.run(model, splits.calib, list(range(n)), device, args.eval_batch_size)
+    built, align_reports, kept, scores = build_all(tp, specs, args, backend, args.policies, splits.calib)
 
     rows = []
     for policy in args.policies:
         converted = gdn_layers(kept[policy], n)
         for spec, (method, aligned) in zip(args.inits, specs):
             mixers = built[(method, aligned)]
-            with swapped_into(model, {i: mixers[i] for i in converted}):
-                ppl = perplexity(model, splits.heldout, args.eval_batch_size, f"{policy}/{spec}")["ppl"]
+            ppl = tp.perplexity({i: mixers[i] for i in converted}, splits.heldout, args.eval_batch_size,
+                                f"{policy}/{spec}")
             rows.append({"policy": policy, "init": spec, "phase2": aligned, "ppl": ppl, "kept_layers": kept[policy]})
             print(f"  {policy:>8} {spec:>14}  ppl {ppl:,.3f}")
 

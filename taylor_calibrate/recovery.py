@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from taylor_calibrate.ablate import build_all, check_policies, parse_init
+from taylor_calibrate.ablate import TeacherPass, build_all, check_policies, parse_init
 from taylor_calibrate.config import RecoveryArgs, apply_profile, apply_train_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.distill import distill
@@ -31,7 +31,6 @@ from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import gdn_layers
 from taylor_calibrate.retrieval import niah_scores
-from taylor_calibrate.stats import attention_targets, collect_stats
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 from taylor_calibrate.training import autocast
 
@@ -95,9 +94,8 @@ def build_or_load(model, splits, specs, policies, args, backend, device, cache: 
             log.info("recovery: mixers and kept layers from %s", cache)
             return {k: _cached_mixers(model, args, f) for k, f in files.items()}, {}, saved["kept"], saved["scores"]
     every = list(range(model.config.num_hidden_layers))
-    stats = collect_stats(model, splits.calib, store_layers=every, batch_size=args.eval_batch_size, store_device=device)
-    built, reports, kept, scores = build_all(model, stats, attention_targets(model, stats, every), specs, args,
-                                             backend, policies, splits.calib)
+    tp = TeacherPass.run(model, splits.calib, every, device, args.eval_batch_size)
+    built, reports, kept, scores = build_all(tp, specs, args, backend, policies, splits.calib)
     cache.mkdir(parents=True, exist_ok=True)
     for k, f in files.items():
         tmp = f.with_suffix(".tmp")
