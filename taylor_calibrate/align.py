@@ -227,8 +227,8 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
 class _Staging:
     """Moves a step's rows to the layer's device. Rows stored in host memory for a CUDA layer (stats.store_device_for:
     too many for the GPU) are gathered into a few rotating page-locked buffers and copied asynchronously: a copy from
-    pageable memory runs at a fraction of the bus speed and blocks the host (measured by benchmarks/perf.py's scale
-    part). A buffer is reused only after its copy finished."""
+    pageable memory runs at a fraction of the bus speed and blocks the host (measured by benchmarks/perf_scale.py).
+    A buffer is reused only after its copy finished."""
 
     SLOTS = 4
 

@@ -37,9 +37,9 @@ def run_convert(args: ConvertArgs) -> dict:
 
 
 def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None, save: bool = True) -> dict:
-    """The convert stage from a loaded teacher on (an in-memory one works too: benchmarks/perf.py times random-weight
-    teachers this way). `t0`: when the command started (load_teacher_s = time until now); `save=False` skips writing
-    the model and report.json and returns the report."""
+    """The convert stage from a loaded teacher on (an in-memory one works too: benchmarks/perf_scale.py times
+    random-weight teachers this way). `t0`: when the command started (load_teacher_s = time until now); `save=False`
+    skips writing the model and report.json and returns the report."""
     t0 = time.perf_counter() if t0 is None else t0
     times = {}
     device = resolve_device(args.device)

@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 SCORED = ("bypass", "greedy")
 SCORE_RESOLUTION = 0.01
 """Scores (log-perplexities, nats) are ranked rounded to this, equal ones in layer order: a GPU's run-to-run rounding
-can move two nearly equal scores past each other between two runs, and with them the kept layers. (Two scores that straddle a rounding boundary can still swap; far rarer.)"""
+can move two nearly equal scores past each other between two runs, and with them the kept layers. (Two scores that
+straddle a rounding boundary can still swap; far rarer.)"""
 
 
 def uniform_kept(num_layers: int, keep_every: int) -> list[int]:

@@ -1,0 +1,255 @@
+"""What the performance benchmarks (benchmarks/perf_*.py) share: random-weight teachers of real shapes, timing and
+memory measurement, cache sizes, and the command-line scaffold that runs one benchmark and writes its JSON (and the
+markdown rendered from it).
+
+Each benchmark is one script: perf_convert (a real teacher's default conversion), perf_align (phase 2 alone, warm),
+perf_stats (the statistics pass against a plain forward), perf_scale (the default conversion at 1.5B / 8B shapes),
+perf_distill (distillation throughput and MFU), perf_inference (prefill / decode / cache against the teacher),
+perf_decode (graph-captured decode beside the bandwidth roofline). `--tiny` runs any of them on tiny shapes (CPU is
+fine) to check it end to end.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from taylor_calibrate import ops
+from taylor_calibrate.config import GDNConfig
+from taylor_calibrate.export import write_json
+from taylor_calibrate.model.hybrid import convert_teacher
+from taylor_calibrate.policy import gdn_layers, kept_layers
+from taylor_calibrate.teacher import embedded_teacher_path, resolve_device
+
+# Teacher shapes (config fields of the public checkpoints; random weights)
+SHAPES = {
+    "smollm2": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                              head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)),
+    "1p5b": ("qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                           head_dim=128, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
+                           use_sliding_window=False, max_position_embeddings=131072)),
+    "8b": ("qwen3", dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False,
+                         max_position_embeddings=131072)),  # Qwen3: q/k RMSNorm built in
+}
+TINY_SHAPES = {
+    "smollm2": ("llama", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True)),
+    "1p5b": ("qwen2", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
+                           use_sliding_window=False)),
+    "8b": ("qwen3", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=False)),
+}
+MB = 2 ** 20
+
+
+def build_teacher(shape: str, tiny: bool, device: torch.device, dtype: torch.dtype):
+    """A random-weight causal LM of the named shape, built directly on `device` (no checkpoint on disk)."""
+    arch, kw = (TINY_SHAPES if tiny else SHAPES)[shape]
+    cfg = AutoConfig.for_model(arch, **kw)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+class ByteTokenizer:
+    """Stand-in when the embedded teacher's tokenizer is not installed: UTF-8 bytes (timing does not depend on it)."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode("utf-8", "replace"))}
+
+
+def load_tokenizer(kind: str):
+    """The embedded teacher's tokenizer (vocab 49152, below every shape's vocab), else bytes; returns (tok, what)."""
+    if kind == "embedded":
+        try:
+            from transformers import AutoTokenizer
+
+            path = embedded_teacher_path()
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), "smollm2-135m (embedded)"
+        except Exception as e:  # noqa: BLE001  (recorded in the JSON, and the run goes on)
+            print(f"[perf] embedded tokenizer unavailable ({type(e).__name__}: {e}); using bytes", flush=True)
+            return ByteTokenizer(), f"bytes (embedded unavailable: {type(e).__name__})"
+    return ByteTokenizer(), "bytes"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(fn, device: torch.device):
+    """Run fn once: (its result, seconds, peak bytes allocated above what was allocated before; None on CPU)."""
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    seconds = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
+    return out, seconds, peak
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated() if device.type == "cuda" else None
+
+
+def mb(x):
+    return None if x is None else x / MB
+
+
+def ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def tensor_bytes(x) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+def kv_bytes(cache) -> int:
+    """Bytes of the keys and values of a transformers cache's attention layers."""
+    return sum(tensor_bytes(getattr(layer, "keys", None)) + tensor_bytes(getattr(layer, "values", None))
+               for layer in cache.layers)
+
+
+def cache_bytes(cache) -> int:
+    """Bytes held by a transformers cache: keys/values of attention layers, recurrent and conv states of GDN layers."""
+    return kv_bytes(cache) + sum(tensor_bytes(x) for layer in cache.layers
+                                 for states in ("recurrent_states", "conv_states")
+                                 for x in (getattr(layer, states, None) or {}).values())
+
+
+@contextlib.contextmanager
+def counting_gdn_kernels():
+    """Count which GDN implementation (backend/mode) the dispatcher runs, e.g. {"fla/recurrent": 672}."""
+    counts = collections.Counter()
+    saved = dict(ops._IMPLS)
+
+    def wrap(key, fn):
+        def counted(*args, **kwargs):
+            counts["/".join(key)] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    ops._IMPLS.update({key: wrap(key, fn) for key, fn in saved.items()})
+    try:
+        yield counts
+    finally:
+        ops._IMPLS.update(saved)
+
+
+@contextlib.contextmanager
+def profiled(device: torch.device, rows: int = 30):
+    """torch.profiler around the block, then the top ops by CPU time and, on a GPU, by CUDA time."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        yield
+    for sort in ("cpu_time_total",) + (("cuda_time_total",) if device.type == "cuda" else ()):
+        print(prof.key_averages().table(sort_by=sort, row_limit=rows), flush=True)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def inference_models(a, device, dtype):
+    """The 1.5B-shape teacher and its uniform hybrid (keep_every 4, copy-only mixers: speed does not depend on the
+    init), GDN backend resolved once."""
+    teacher = build_teacher("1p5b", a.tiny, device, dtype)
+    n = teacher.config.num_hidden_layers
+    converted = gdn_layers(kept_layers("uniform", n, 4), n)
+    hybrid = convert_teacher(teacher, converted, GDNConfig())
+    return teacher, hybrid, hybrid.set_backend("auto"), converted
+
+
+def fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def pair(teacher_row: dict, hybrid_row: dict, key: str, spec: str = ".2f", f=None) -> str:
+    """A table cell "teacher / hybrid" of one measured value (`f` applied first, e.g. bytes -> MB)."""
+    t, h = teacher_row.get(key), hybrid_row.get(key)
+    return f"{fmt(t if f is None else f(t), spec)} / {fmt(h if f is None else f(h), spec)}"
+
+
+def row_errors(teacher_row: dict, hybrid_row: dict) -> str:
+    """A table row's trailing note: the error a model's measurement ended in (out of memory, ...), if any."""
+    return "".join(f" {n}: {x['error']}" for n, x in (("teacher", teacher_row), ("hybrid", hybrid_row)) if "error" in x)
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    def version(mod):
+        try:
+            return __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            return None
+
+    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "triton": version("triton"), "fla": version("fla"), "transformers": transformers.__version__}
+
+
+def run_benchmark(script: str, doc: str, part, markdown, defaults: dict, add_arguments=None, argv=None) -> dict:
+    """Parse the common flags (--tiny, --device, --out) and the benchmark's own (`add_arguments`; `defaults`:
+    {name: (full, tiny)}), run `part(a, device, dtype, res, save)`, and write the JSON (rewritten after every
+    measured row through `save`, so a killed run keeps what it measured) and its markdown rendering beside it."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU is fine): checks the script")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=None, help="JSON path (the markdown rendering is written beside it, .md)")
+    if add_arguments is not None:
+        add_arguments(ap)
+    for key, (full, _) in defaults.items():
+        ap.add_argument("--" + key.replace("_", "-"), default=None, type=type(full), help=f"default {full}")
+    a = ap.parse_args(argv)
+    for key, (full, tiny) in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, tiny if a.tiny else full)
+    device = resolve_device(a.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not a.tiny and device.type != "cuda":
+        print(f"[{script}] warning: full shapes on a CPU will take very long; use --tiny", flush=True)
+    res = {"command": f"python benchmarks/{script}.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "env": environment(device)}
+
+    def render() -> str:
+        env = res["env"]
+        lines = [f"# taylor-calibrate performance: {script} ({env.get('device', '?')})", "",
+                 f"torch {env.get('torch')}, triton {env.get('triton')}, fla {env.get('fla')}, transformers "
+                 f"{env.get('transformers')}; random weights.", ""]
+        return "\n".join(lines + markdown(res) + [f"Command: `{res['command']}`", ""])
+
+    def save():
+        if a.out:
+            write_json(a.out, res)
+            Path(a.out).with_suffix(".md").write_text(render())
+
+    t = time.perf_counter()
+    part(a, device, dtype, res, save)
+    res["wall_s"] = time.perf_counter() - t
+    save()
+    free(device)
+    print("\n" + render())
+    return res
