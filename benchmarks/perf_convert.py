@@ -48,16 +48,12 @@ def markdown(res: dict) -> list[str]:
     if cv:
         lines += [f"## Default conversion of {cv['teacher']} ({cv['profile']} profile, {cv['gdn_layers']} GDN layers, "
                   f"{cv['align_steps']} alignment steps)", "",
-                  "| run | total s | load (incl. imports, compiles) | stats | phase 1 | phase 2 | teacher PPL | hybrid PPL | "
-                  "ratio |", "|---|---|---|---|---|---|---|---|---|"]
-        # an earlier run kept beside the latest (e.g. the first on a fresh machine, which compiles every kernel)
-        for r in [cv] + res.get("convert_earlier", []):
-            s = r["stage_s"]
-            lines.append(f"| {r.get('run', 'latest')} | {fmt(r['wall_s'], '.1f')} | {fmt(s.get('load_teacher_s'), '.1f')} | "
-                         f"{fmt(s.get('stats_s'), '.1f')} | {fmt(s.get('phase1_s'), '.1f')} | "
-                         f"{fmt(s.get('phase2_s'), '.1f')} | {fmt(r['teacher_ppl'], '.3f')} | "
-                         f"{fmt(r['hybrid_ppl'], '.3f')} | {fmt(r['ppl_ratio'])} |")
-        lines.append("")
+                  "| total s | load (incl. imports, compiles) | stats | phase 1 | phase 2 | teacher PPL | hybrid PPL | "
+                  "ratio |", "|---|---|---|---|---|---|---|---|"]
+        s = cv["stage_s"]
+        lines += [f"| {fmt(cv['wall_s'], '.1f')} | {fmt(s.get('load_teacher_s'), '.1f')} | {fmt(s.get('stats_s'), '.1f')} | "
+                  f"{fmt(s.get('phase1_s'), '.1f')} | {fmt(s.get('phase2_s'), '.1f')} | {fmt(cv['teacher_ppl'], '.3f')} | "
+                  f"{fmt(cv['hybrid_ppl'], '.3f')} | {fmt(cv['ppl_ratio'])} |", ""]
     return lines
 
 

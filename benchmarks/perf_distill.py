@@ -62,11 +62,8 @@ def part_distill(a, device, dtype, res, save):
         raise ValueError(f"--distill-modes {a.distill_modes!r}: a comma list of eager, compiled")
     for compiled in [m == "compiled" for m in modes]:
         row = run(compiled)
-        row["command"] = res["command"]
-        # one row per (compiled, micro-batch), kept across runs merged into one file; the last measured is the
-        # headline (list the default configuration, compiled on CUDA, last)
-        runs = [r for r in res.get("distill_runs", []) if (r["compile"], r["micro_batch"]) != (compiled, a.distill_micro)]
-        res["distill_runs"] = runs + [row]
+        # one row per mode; the last measured is the headline (list the default, compiled on CUDA, last)
+        res["distill_runs"] = res.get("distill_runs", []) + [row]
         res["distill"] = row
         res["distill_mfu_1p5b"], res["distill_tokens_per_s_1p5b"] = row["mfu"], row["tokens_per_s"]
         print(f"[distill {'compiled' if compiled else 'eager'}] " + json.dumps(row), flush=True)
