@@ -13,7 +13,7 @@ import time
 import torch
 
 # perf_common.py sits beside this script (its directory is on sys.path when it runs)
-from perf_common import build_teacher, fmt, free, profiled, run_benchmark, sync
+from perf_common import build_teacher, free, profiled, run_benchmark, sync
 
 from taylor_calibrate import ops
 from taylor_calibrate.align import align_layers
@@ -71,25 +71,13 @@ def part_align(a, device, dtype, res, save):
     free(device)
 
 
-def markdown(res: dict) -> list[str]:
-    lines = []
-    al = res.get("align")
-    if al:
-        lines += [f"## Phase 2 alone, warm ({al['shape']}, {al['gdn_layers']} GDN layers in groups of "
-                  f"{al['layer_group']}, {al['steps']} steps x {al['tokens_per_step']} tokens, backend "
-                  f"`{al['backend']}`)", "", "| wall s | training s | ms / step | rel-MSE before -> after |",
-                  "|---|---|---|---|", f"| {fmt(al['wall_s'], '.1f')} | {fmt(al['train_s'], '.1f')} | "
-                  f"{fmt(al['step_ms'], '.1f')} | {al['rel_mse_before']:.3f} -> {al['rel_mse_after']:.3f} |", ""]
-    return lines
-
-
 def add_arguments(ap):
     ap.add_argument("--align-profile", action="store_true", help="print a torch.profiler table of 20 steps")
     ap.add_argument("--scale-align-steps", type=int, default=None, help="alignment steps (default: the profile's)")
 
 
 def main(argv=None):
-    return run_benchmark("perf_align", __doc__, part_align, markdown, DEFAULTS, add_arguments, argv)
+    return run_benchmark("perf_align", __doc__, part_align, DEFAULTS, add_arguments, argv)
 
 
 if __name__ == "__main__":

@@ -211,7 +211,104 @@ def environment(device: torch.device) -> dict:
             "triton": version("triton"), "fla": version("fla"), "transformers": transformers.__version__}
 
 
-def run_benchmark(script: str, doc: str, part, markdown, defaults: dict, add_arguments=None, argv=None) -> dict:
+def markdown(res: dict) -> list[str]:
+    """The markdown rendering of a benchmark's JSON: one section per part it holds."""
+    lines = []
+    cv = res.get("convert")
+    if cv:
+        lines += [f"## Default conversion of {cv['teacher']} ({cv['profile']} profile, {cv['gdn_layers']} GDN layers, "
+                  f"{cv['align_steps']} alignment steps)", "",
+                  "| total s | load (incl. imports, compiles) | stats | phase 1 | phase 2 | teacher PPL | hybrid PPL | "
+                  "ratio |", "|---|---|---|---|---|---|---|---|"]
+        s = cv["stage_s"]
+        lines += [f"| {fmt(cv['wall_s'], '.1f')} | {fmt(s.get('load_teacher_s'), '.1f')} | {fmt(s.get('stats_s'), '.1f')} | "
+                  f"{fmt(s.get('phase1_s'), '.1f')} | {fmt(s.get('phase2_s'), '.1f')} | {fmt(cv['teacher_ppl'], '.3f')} | "
+                  f"{fmt(cv['hybrid_ppl'], '.3f')} | {fmt(cv['ppl_ratio'])} |", ""]
+    al = res.get("align")
+    if al:
+        lines += [f"## Phase 2 alone, warm ({al['shape']}, {al['gdn_layers']} GDN layers in groups of "
+                  f"{al['layer_group']}, {al['steps']} steps x {al['tokens_per_step']} tokens, backend "
+                  f"`{al['backend']}`)", "", "| wall s | training s | ms / step | rel-MSE before -> after |",
+                  "|---|---|---|---|", f"| {fmt(al['wall_s'], '.1f')} | {fmt(al['train_s'], '.1f')} | "
+                  f"{fmt(al['step_ms'], '.1f')} | {al['rel_mse_before']:.3f} -> {al['rel_mse_after']:.3f} |", ""]
+    st = res.get("stats")
+    if st:
+        lines += [f"## Statistics pass ({st['shape']}, batch 1, stats backend `{st['stats_backend']}`, "
+                  f"{st['stored_layers']} layers stored as convert does)", "",
+                  "| T | forward s (last logits) | forward s (all logits) | stats s | stats / forward | "
+                  "stats / forward (all logits) | torch-path stats / forward | forward peak MB | stats peak MB | "
+                  "of which stored inputs+outputs MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for T, r in st["rows"].items():
+            lines.append(f"| {T} | {fmt(r['forward_s'], '.3f')} | {fmt(r.get('forward_all_logits_s'), '.3f')} | "
+                         f"{fmt(r['stats_s'], '.3f')} | {fmt(r['stats_vs_forward'])} | "
+                         f"{fmt(r.get('stats_vs_forward_all_logits'))} | {fmt(r.get('stats_torch_vs_forward'))} | "
+                         f"{fmt(r['forward_peak_mb'], '.0f')} | {fmt(r['stats_peak_mb'], '.0f')} | "
+                         f"{fmt(r['stored_mb'], '.0f')} |")
+        lines += ["", "Peak MB: max_memory_allocated above the weights. The ratio's forward is the teacher's pass without "
+                  "statistics, keeping the last position's logits as the statistics pass does; the statistics pass "
+                  "also holds the stored inputs and head outputs that phase 2 trains on (linear in T by design)."]
+        lines.append("")
+    sc = res.get("scale")
+    if sc:
+        lines += ["## Default conversion (per stage, seconds)", "",
+                  "| shape | total s | load | data | teacher eval | stats | phase 1 | phase 2 | hybrid eval | peak GB |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for shape, r in sc.items():
+            s = r.get("stage_s") or {}
+            cells = [fmt(s.get(k), ".1f") for k in ("load_teacher_s", "data_s", "teacher_eval_s", "stats_s",
+                                                    "phase1_s", "phase2_s", "hybrid_eval_s")]
+            peak = None if r.get("peak_mem_mb") is None else r["peak_mem_mb"] / 1024
+            lines.append(f"| {shape} | {fmt(r.get('wall_s'), '.1f')} | " + " | ".join(cells) + f" | {fmt(peak, '.1f')} |"
+                         + (f" {r['error']}" if r.get("error") else ""))
+        lines.append("")
+    di = res.get("distill")
+    if di:
+        lines += [f"## Distillation ({di['shape']}, {di['gdn_layers']} GDN layers, trains {di['trained']}, "
+                  f"{di['tokens_per_step']:,} tokens per step of {di['seq_len']}-token rows)", "",
+                  "| decoder layers + loss | micro-batch | tokens/s | FLOP/token | MFU | peak GB |",
+                  "|---|---|---|---|---|---|"]
+        for r in res.get("distill_runs", [di]):
+            name = "torch.compile (`--train.compile`, CUDA default)" if r.get("compile") else "eager"
+            lines.append(f"| {name} | {r['micro_batch']} | {fmt(r['tokens_per_s'], ',.0f')} | "
+                         f"{fmt(r['flops_per_token'], '.3g')} | {'-' if r['mfu'] is None else format(r['mfu'], '.1%')} | "
+                         f"{fmt(None if r['peak_mem_mb'] is None else r['peak_mem_mb'] / 1024, '.1f')} |")
+        lines.append("")
+    inf = res.get("inference")
+    if inf:
+        lines += [f"## Inference ({inf['shape']}: {inf['kept_layers']} attention + {inf['gdn_layers']} GDN layers, "
+                  f"GDN backend `{inf['gdn_backend']}`, {inf['decode_steps']} decode steps)", "",
+                  "| context x batch | prefill tok/s teacher / hybrid | speedup | decode tok/s teacher / hybrid | speedup "
+                  "| cache MB/seq teacher / hybrid | ratio |", "|---|---|---|---|---|---|---|"]
+        for key, r in inf["rows"].items():
+            t, h = r["teacher"], r["hybrid"]
+            lines.append(f"| {key} | {pair(t, h, 'prefill_tok_s', ',.0f')} | {fmt(r['prefill_speedup'])} | "
+                         f"{pair(t, h, 'decode_tok_s', ',.1f')} | {fmt(r['decode_speedup'])} | "
+                         f"{pair(t, h, 'cache_bytes_per_seq', ',.1f', mb)} | {fmt(r['cache_bytes_ratio'], '.3f')} |"
+                         + row_errors(t, h))
+        lines.append("")
+    for key in sorted(k for k in res if k.startswith("decode") and isinstance(res[k], dict) and "rows" in res[k]):
+        de = res[key]
+        err = de.get("logits_rel_err", {})
+        lines += [f"## Decode, graph-captured ({de['shape']}: {de['kept_layers']} attention + {de['gdn_layers']} GDN "
+                  f"layers, GDN backend `{de['gdn_backend']}`, SDPA kernel `{de.get('sdpa_backend', 'auto')}`, "
+                  f"StaticCache, one step per CUDA graph replay: {de['graph']}, {de['steps']} steps)", "",
+                  "Logits vs the eager DynamicCache decode (max abs diff / max abs logit): "
+                  + "; ".join(f"{n} {', '.join(f'{k} {v:.1e}' if isinstance(v, float) else f'{k} {v}' for k, v in e.items())}"
+                              for n, e in err.items()), "",
+                  "| context x batch | ms/step teacher / hybrid | decode tok/s teacher / hybrid | speedup | "
+                  "roofline speedup (min bytes moved) | achieved GB/s teacher / hybrid |", "|---|---|---|---|---|---|"]
+        for cell, r in de["rows"].items():
+            t, h = r["teacher"], r["hybrid"]
+            lines.append(f"| {cell} | {pair(t, h, 'decode_ms_per_step')} | {pair(t, h, 'decode_tok_s', ',.0f')} | "
+                         f"{fmt(r['decode_speedup'])} | {fmt(r['roofline_speedup'])} | "
+                         f"{pair(t, h, 'achieved_gb_s', ',.0f')} |" + row_errors(t, h))
+        lines += ["", "Roofline speedup: the teacher's minimum bytes per step (weights + KV at the context) over the "
+                  "hybrid's (weights + KV of the kept layers + GDN states read and written): the ratio a "
+                  "bandwidth-bound decoder approaches.", ""]
+    return lines
+
+
+def run_benchmark(script: str, doc: str, part, defaults: dict, add_arguments=None, argv=None) -> dict:
     """Parse the common flags (--tiny, --device, --out) and the benchmark's own (`add_arguments`; `defaults`:
     {name: (full, tiny)}), run `part(a, device, dtype, res, save)`, and write the JSON (rewritten after every
     measured row through `save`, so a killed run keeps what it measured) and its markdown rendering beside it."""

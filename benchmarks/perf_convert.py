@@ -11,7 +11,7 @@ import json
 import time
 
 # perf_common.py sits beside this script (its directory is on sys.path when it runs)
-from perf_common import fmt, free, ratio, run_benchmark
+from perf_common import free, ratio, run_benchmark
 
 from taylor_calibrate.config import AlignArgs, ConvertArgs, DataArgs
 from taylor_calibrate.convert import convert_loaded
@@ -42,27 +42,12 @@ def part_convert(a, device, dtype, res, save):
     free(device)
 
 
-def markdown(res: dict) -> list[str]:
-    lines = []
-    cv = res.get("convert")
-    if cv:
-        lines += [f"## Default conversion of {cv['teacher']} ({cv['profile']} profile, {cv['gdn_layers']} GDN layers, "
-                  f"{cv['align_steps']} alignment steps)", "",
-                  "| total s | load (incl. imports, compiles) | stats | phase 1 | phase 2 | teacher PPL | hybrid PPL | "
-                  "ratio |", "|---|---|---|---|---|---|---|---|"]
-        s = cv["stage_s"]
-        lines += [f"| {fmt(cv['wall_s'], '.1f')} | {fmt(s.get('load_teacher_s'), '.1f')} | {fmt(s.get('stats_s'), '.1f')} | "
-                  f"{fmt(s.get('phase1_s'), '.1f')} | {fmt(s.get('phase2_s'), '.1f')} | {fmt(cv['teacher_ppl'], '.3f')} | "
-                  f"{fmt(cv['hybrid_ppl'], '.3f')} | {fmt(cv['ppl_ratio'])} |", ""]
-    return lines
-
-
 def add_arguments(ap):
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="the teacher (as `convert --teacher`)")
 
 
 def main(argv=None):
-    return run_benchmark("perf_convert", __doc__, part_convert, markdown, DEFAULTS, add_arguments, argv)
+    return run_benchmark("perf_convert", __doc__, part_convert, DEFAULTS, add_arguments, argv)
 
 
 if __name__ == "__main__":

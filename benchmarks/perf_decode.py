@@ -14,8 +14,7 @@ import json
 import torch
 
 # perf_common.py sits beside this script (its directory is on sys.path when it runs)
-from perf_common import (cache_bytes, fmt, free, inference_models, kv_bytes, mb, measure, pair, ratio,
-                         row_errors, run_benchmark, tensor_bytes)
+from perf_common import cache_bytes, free, inference_models, kv_bytes, mb, measure, ratio, run_benchmark, tensor_bytes
 
 DEFAULTS = {
     "decode_grid": ("4096x8,16384x8,32768x1,32768x8,32768x16,32768x32,32768x64,65536x8", "32x1,32x3"),
@@ -247,37 +246,13 @@ def decode_rows(a, device, res, save, models, detail, key):
         save()
 
 
-def markdown(res: dict) -> list[str]:
-    lines = []
-    for key in sorted(k for k in res if k.startswith("decode") and isinstance(res[k], dict) and "rows" in res[k]):
-        de = res[key]
-        err = de.get("logits_rel_err", {})
-        lines += [f"## Decode, graph-captured ({de['shape']}: {de['kept_layers']} attention + {de['gdn_layers']} GDN "
-                  f"layers, GDN backend `{de['gdn_backend']}`, SDPA kernel `{de.get('sdpa_backend', 'auto')}`, "
-                  f"StaticCache, one step per CUDA graph replay: {de['graph']}, {de['steps']} steps)", "",
-                  "Logits vs the eager DynamicCache decode (max abs diff / max abs logit): "
-                  + "; ".join(f"{n} {', '.join(f'{k} {v:.1e}' if isinstance(v, float) else f'{k} {v}' for k, v in e.items())}"
-                              for n, e in err.items()), "",
-                  "| context x batch | ms/step teacher / hybrid | decode tok/s teacher / hybrid | speedup | "
-                  "roofline speedup (min bytes moved) | achieved GB/s teacher / hybrid |", "|---|---|---|---|---|---|"]
-        for cell, r in de["rows"].items():
-            t, h = r["teacher"], r["hybrid"]
-            lines.append(f"| {cell} | {pair(t, h, 'decode_ms_per_step')} | {pair(t, h, 'decode_tok_s', ',.0f')} | "
-                         f"{fmt(r['decode_speedup'])} | {fmt(r['roofline_speedup'])} | "
-                         f"{pair(t, h, 'achieved_gb_s', ',.0f')} |" + row_errors(t, h))
-        lines += ["", "Roofline speedup: the teacher's minimum bytes per step (weights + KV at the context) over the "
-                  "hybrid's (weights + KV of the kept layers + GDN states read and written): the ratio a "
-                  "bandwidth-bound decoder approaches.", ""]
-    return lines
-
-
 def add_arguments(ap):
     ap.add_argument("--decode-sdpa", default="auto", choices=("auto", "efficient_attention", "cudnn_attention", "math"),
                     help="restrict SDPA to one kernel (auto: PyTorch's choice for a masked single query)")
 
 
 def main(argv=None):
-    return run_benchmark("perf_decode", __doc__, part_decode, markdown, DEFAULTS, add_arguments, argv)
+    return run_benchmark("perf_decode", __doc__, part_decode, DEFAULTS, add_arguments, argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 # perf_common.py sits beside this script (its directory is on sys.path when it runs)
-from perf_common import build_teacher, fmt, free, mb, profiled, run_benchmark
+from perf_common import build_teacher, free, mb, profiled, run_benchmark
 
 from taylor_calibrate.config import GDNConfig, TrainArgs
 from taylor_calibrate.distill import distill
@@ -75,23 +75,6 @@ def part_distill(a, device, dtype, res, save):
     free(device)
 
 
-def markdown(res: dict) -> list[str]:
-    lines = []
-    di = res.get("distill")
-    if di:
-        lines += [f"## Distillation ({di['shape']}, {di['gdn_layers']} GDN layers, trains {di['trained']}, "
-                  f"{di['tokens_per_step']:,} tokens per step of {di['seq_len']}-token rows)", "",
-                  "| decoder layers + loss | micro-batch | tokens/s | FLOP/token | MFU | peak GB |",
-                  "|---|---|---|---|---|---|"]
-        for r in res.get("distill_runs", [di]):
-            name = "torch.compile (`--train.compile`, CUDA default)" if r.get("compile") else "eager"
-            lines.append(f"| {name} | {r['micro_batch']} | {fmt(r['tokens_per_s'], ',.0f')} | "
-                         f"{fmt(r['flops_per_token'], '.3g')} | {'-' if r['mfu'] is None else format(r['mfu'], '.1%')} | "
-                         f"{fmt(None if r['peak_mem_mb'] is None else r['peak_mem_mb'] / 1024, '.1f')} |")
-        lines.append("")
-    return lines
-
-
 def add_arguments(ap):
     ap.add_argument("--distill-modes", default="eager",
                     help="comma list of eager, compiled (--train.compile true, the CUDA default; the last one listed "
@@ -100,7 +83,7 @@ def add_arguments(ap):
 
 
 def main(argv=None):
-    return run_benchmark("perf_distill", __doc__, part_distill, markdown, DEFAULTS, add_arguments, argv)
+    return run_benchmark("perf_distill", __doc__, part_distill, DEFAULTS, add_arguments, argv)
 
 
 if __name__ == "__main__":

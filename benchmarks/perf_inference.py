@@ -14,8 +14,8 @@ import json
 import torch
 
 # perf_common.py sits beside this script (its directory is on sys.path when it runs)
-from perf_common import (cache_bytes, counting_gdn_kernels, fmt, free, inference_models, ints, mb,
-                         measure, pair, ratio, row_errors, run_benchmark)
+from perf_common import (cache_bytes, counting_gdn_kernels, free, inference_models, ints, mb, measure, ratio,
+                         run_benchmark)
 
 from taylor_calibrate.config import GDNConfig
 
@@ -103,26 +103,8 @@ def part_inference(a, device, dtype, res, save):
     free(device)
 
 
-def markdown(res: dict) -> list[str]:
-    lines = []
-    inf = res.get("inference")
-    if inf:
-        lines += [f"## Inference ({inf['shape']}: {inf['kept_layers']} attention + {inf['gdn_layers']} GDN layers, "
-                  f"GDN backend `{inf['gdn_backend']}`, {inf['decode_steps']} decode steps)", "",
-                  "| context x batch | prefill tok/s teacher / hybrid | speedup | decode tok/s teacher / hybrid | speedup "
-                  "| cache MB/seq teacher / hybrid | ratio |", "|---|---|---|---|---|---|---|"]
-        for key, r in inf["rows"].items():
-            t, h = r["teacher"], r["hybrid"]
-            lines.append(f"| {key} | {pair(t, h, 'prefill_tok_s', ',.0f')} | {fmt(r['prefill_speedup'])} | "
-                         f"{pair(t, h, 'decode_tok_s', ',.1f')} | {fmt(r['decode_speedup'])} | "
-                         f"{pair(t, h, 'cache_bytes_per_seq', ',.1f', mb)} | {fmt(r['cache_bytes_ratio'], '.3f')} |"
-                         + row_errors(t, h))
-        lines.append("")
-    return lines
-
-
 def main(argv=None):
-    return run_benchmark("perf_inference", __doc__, part_inference, markdown, DEFAULTS, None, argv)
+    return run_benchmark("perf_inference", __doc__, part_inference, DEFAULTS, None, argv)
 
 
 if __name__ == "__main__":

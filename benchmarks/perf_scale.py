@@ -12,7 +12,7 @@ import time
 import torch
 
 # perf_common.py sits beside this script (its directory is on sys.path when it runs)
-from perf_common import allocated, build_teacher, fmt, free, load_tokenizer, mb, run_benchmark
+from perf_common import allocated, build_teacher, free, load_tokenizer, mb, run_benchmark
 
 from taylor_calibrate.config import AlignArgs, ConvertArgs, DataArgs
 from taylor_calibrate.convert import convert_loaded
@@ -66,24 +66,6 @@ def part(a, device, dtype, res, save):
     part_scale(a, device, dtype, res, save, tokenizer, tokenizer_name)
 
 
-def markdown(res: dict) -> list[str]:
-    lines = []
-    sc = res.get("scale")
-    if sc:
-        lines += ["## Default conversion (per stage, seconds)", "",
-                  "| shape | total s | load | data | teacher eval | stats | phase 1 | phase 2 | hybrid eval | peak GB |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for shape, r in sc.items():
-            s = r.get("stage_s") or {}
-            cells = [fmt(s.get(k), ".1f") for k in ("load_teacher_s", "data_s", "teacher_eval_s", "stats_s",
-                                                    "phase1_s", "phase2_s", "hybrid_eval_s")]
-            peak = None if r.get("peak_mem_mb") is None else r["peak_mem_mb"] / 1024
-            lines.append(f"| {shape} | {fmt(r.get('wall_s'), '.1f')} | " + " | ".join(cells) + f" | {fmt(peak, '.1f')} |"
-                         + (f" {r['error']}" if r.get("error") else ""))
-        lines.append("")
-    return lines
-
-
 def add_arguments(ap):
     ap.add_argument("--tokenizer", default="embedded", choices=("embedded", "bytes"),
                     help="the embedded teacher's tokenizer (falls back to bytes if not installed)")
@@ -92,7 +74,7 @@ def add_arguments(ap):
 
 
 def main(argv=None):
-    return run_benchmark("perf_scale", __doc__, part, markdown, DEFAULTS, add_arguments, argv)
+    return run_benchmark("perf_scale", __doc__, part, DEFAULTS, add_arguments, argv)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ import json
 import torch
 
 # perf_common.py sits beside this script (its directory is on sys.path when it runs)
-from perf_common import (allocated, build_teacher, fmt, free, ints, mb, measure, ratio, run_benchmark,
-                         tensor_bytes)
+from perf_common import allocated, build_teacher, free, ints, mb, measure, ratio, run_benchmark, tensor_bytes
 
 from taylor_calibrate import ops
 from taylor_calibrate.policy import gdn_layers, kept_layers
@@ -97,34 +96,12 @@ def part_stats(a, device, dtype, res, save):
     free(device)
 
 
-def markdown(res: dict) -> list[str]:
-    lines = []
-    st = res.get("stats")
-    if st:
-        lines += [f"## Statistics pass ({st['shape']}, batch 1, stats backend `{st['stats_backend']}`, "
-                  f"{st['stored_layers']} layers stored as convert does)", "",
-                  "| T | forward s (last logits) | forward s (all logits) | stats s | stats / forward | "
-                  "stats / forward (all logits) | torch-path stats / forward | forward peak MB | stats peak MB | "
-                  "of which stored inputs+outputs MB |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for T, r in st["rows"].items():
-            lines.append(f"| {T} | {fmt(r['forward_s'], '.3f')} | {fmt(r.get('forward_all_logits_s'), '.3f')} | "
-                         f"{fmt(r['stats_s'], '.3f')} | {fmt(r['stats_vs_forward'])} | "
-                         f"{fmt(r.get('stats_vs_forward_all_logits'))} | {fmt(r.get('stats_torch_vs_forward'))} | "
-                         f"{fmt(r['forward_peak_mb'], '.0f')} | {fmt(r['stats_peak_mb'], '.0f')} | "
-                         f"{fmt(r['stored_mb'], '.0f')} |")
-        lines += ["", "Peak MB: max_memory_allocated above the weights. The ratio's forward is the teacher's pass without "
-                  "statistics, keeping the last position's logits as the statistics pass does; the statistics pass "
-                  "also holds the stored inputs and head outputs that phase 2 trains on (linear in T by design)."]
-        lines.append("")
-    return lines
-
-
 def add_arguments(ap):
     ap.add_argument("--repeats", type=int, default=2, help="best of N timings at the ratio lengths")
 
 
 def main(argv=None):
-    return run_benchmark("perf_stats", __doc__, part_stats, markdown, DEFAULTS, add_arguments, argv)
+    return run_benchmark("perf_stats", __doc__, part_stats, DEFAULTS, add_arguments, argv)
 
 
 if __name__ == "__main__":
