@@ -571,3 +571,23 @@ class RecoveryArgs(PipelineArgs):
     niah_samples: int = 4
     command: str | None = None
     """The command line to record in the results."""
+
+
+EXPORT_FORMATS = ("qwen3_5", "gguf")
+
+
+@dataclass
+class ExportArgs:
+    """`taylor-calibrate export`: a converted hybrid -> a format inference engines run without our package."""
+
+    model: str = "out/hybrid"
+    """A `convert` output directory."""
+    out: str = "out/qwen3_5"
+    """Output directory (must not exist)."""
+    format: str = "qwen3_5"
+    """"qwen3_5": transformers' Qwen3_5ForCausalLM (also vLLM, SGLang); "gguf": llama.cpp's qwen35 (one .gguf file
+    in --out)."""
+
+    def __post_init__(self):
+        if self.format not in EXPORT_FORMATS:
+            raise ValueError(f"export format={self.format!r} is not one of {EXPORT_FORMATS}")

@@ -1,0 +1,130 @@
+"""Export to Qwen3.5 (taylor_calibrate/qwen3_5.py): transformers' own Qwen3_5ForCausalLM, run in a subprocess that never
+imports our package, gives our hybrid's logits."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from taylor_calibrate.config import GDNConfig
+from taylor_calibrate.export import save_hybrid
+from taylor_calibrate.model.hybrid import convert_teacher
+from taylor_calibrate.qwen3_5 import export_qwen3_5, full_attention_interval, mrope_section
+
+from conftest import tiny_teacher
+
+EXPRESSIBLE = dict(qk_activation="silu", v_activation="silu", gate="swish", output_norm=True)
+
+# Runs in a fresh interpreter with our package off the path: loads the export with transformers' own class (no
+# trust_remote_code), writes its logits, greedy tokens and a save/load round trip's logits.
+_RUN_TRANSFORMERS = textwrap.dedent("""
+    import sys, torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM
+    src, ids_file, out_file, resaved = sys.argv[1:5]
+    ids = load_file(ids_file)["ids"]
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    assert type(model) is Qwen3_5ForCausalLM, type(model)
+    with torch.no_grad():
+        logits = model(ids).logits
+        greedy = model.generate(ids[:1, :8], max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        model.save_pretrained(resaved)
+        again = Qwen3_5ForCausalLM.from_pretrained(resaved, dtype=torch.float32).eval()(ids).logits
+    assert "taylor_calibrate" not in sys.modules
+    save_file({"logits": logits, "greedy": greedy, "again": again}, out_file)
+""")
+
+
+def run_transformers(export_dir, ids, tmp_path) -> dict[str, torch.Tensor]:
+    save_file({"ids": ids}, str(tmp_path / "ids.safetensors"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", _RUN_TRANSFORMERS, str(export_dir), str(tmp_path / "ids.safetensors"),
+                           str(tmp_path / "out.safetensors"), str(tmp_path / "resaved")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return load_file(str(tmp_path / "out.safetensors"))
+
+
+@torch.no_grad()
+def tiny_hybrid(arch="qwen3", gdn_layers=(0, 1, 2), seed=0, **gdn_over):
+    """A tiny hybrid whose every parameter (norms, convs, gates) is off its default, so each map is exercised."""
+    teacher = tiny_teacher(arch, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, p in teacher.named_parameters():
+        if "norm" in name:
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    gdn = GDNConfig(**{**EXPRESSIBLE, "norm_eps": teacher.config.rms_norm_eps, **gdn_over})
+    hybrid = convert_teacher(teacher, list(gdn_layers), gdn)
+    for i, m in hybrid.gdn_mixers.items():
+        if m.o_norm is not None:
+            m.o_norm.weight.copy_(1 + 0.3 * torch.randn(m.o_norm.weight.shape, generator=g))
+        m.b_proj.weight.mul_(20)  # beta away from 1/2, decay spread: the recurrence matters
+        m.a_proj.weight.mul_(20)
+    return teacher, hybrid
+
+
+def _ids(vocab, seed=0, rows=2, T=40):
+    return torch.randint(0, vocab, (rows, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("gdn_layers,short_conv,interval", [((0, 1, 2), "random", 4), ((1, 2, 3), "none", None),
+                                                              ((0, 2), "identity", 2)])
+def test_qwen3_export_matches_ours(tmp_path, gdn_layers, short_conv, interval):
+    _, hybrid = tiny_hybrid(gdn_layers=gdn_layers, short_conv=short_conv)
+    save_hybrid(hybrid, None, tmp_path / "hybrid")
+    export_qwen3_5(tmp_path / "hybrid", tmp_path / "qwen3_5")
+    ids = _ids(hybrid.config.vocab_size)
+    with torch.no_grad():
+        ours = hybrid(ids, use_cache=False).logits
+        our_greedy = hybrid.generate(ids[:1, :8], max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    theirs = run_transformers(tmp_path / "qwen3_5", ids, tmp_path)
+    assert (ours - theirs["logits"]).abs().max() < 1e-4
+    assert (ours - theirs["again"]).abs().max() < 1e-4  # through transformers' save_pretrained / from_pretrained
+    assert torch.equal(our_greedy, theirs["greedy"])  # cached decode: conv and recurrent state carried alike
+    cfg = json.loads((tmp_path / "qwen3_5" / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_text" and cfg["partial_rotary_factor"] == 1.0
+    assert cfg["layer_types"] == ["linear_attention" if i in gdn_layers else "full_attention" for i in range(4)]
+    assert cfg.get("full_attention_interval") == interval
+
+
+def test_layer_pattern_helpers():
+    G, A = "linear_attention", "full_attention"
+    assert full_attention_interval([G, G, G, A] * 3) == 4
+    assert full_attention_interval([A, G, G, G] * 3) is None  # the uniform policy keeps layer 0: not Qwen's pattern
+    assert full_attention_interval([A] * 4) == 1
+    assert sum(mrope_section(64)) == 32 and sum(mrope_section(16)) == 8
+
+
+@pytest.mark.parametrize("over,needle", [
+    (dict(v_activation="identity"), "--gdn.v_activation='identity'"),
+    (dict(gate="sigmoid"), "--gdn.gate='sigmoid'"),
+    (dict(output_norm=False), "--gdn.output_norm=False"),
+    (dict(qk_activation="identity"), "--gdn.qk_activation"),
+    (dict(norm_eps=1e-3), "--gdn.norm_eps"),
+])
+def test_unsupported_gdn_options_are_refused(tmp_path, over, needle):
+    _, hybrid = tiny_hybrid(**over)
+    save_hybrid(hybrid, None, tmp_path / "hybrid")
+    with pytest.raises(ValueError, match="cannot be exported exactly") as e:
+        export_qwen3_5(tmp_path / "hybrid", tmp_path / "out")
+    assert needle in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_teacher_without_qk_norm_is_refused_with_the_fix(tmp_path):
+    _, hybrid = tiny_hybrid("llama")
+    save_hybrid(hybrid, None, tmp_path / "hybrid")
+    with pytest.raises(ValueError, match="--target qwen3_5"):
+        export_qwen3_5(tmp_path / "hybrid", tmp_path / "out")
+
+
+def test_export_never_overwrites(tmp_path):
+    _, hybrid = tiny_hybrid()
+    save_hybrid(hybrid, None, tmp_path / "hybrid")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FileExistsError):
+        export_qwen3_5(tmp_path / "hybrid", tmp_path / "out")
