@@ -301,3 +301,86 @@ def run_export(args: ExportArgs) -> dict:
     print(f"exported {args.model} -> {out} ({args.format}): load with transformers' AutoModelForCausalLM, no "
           "trust_remote_code")
     return {"model": args.model, "out": str(out), "format": args.format}
+
+
+# --- `convert --target qwen3_5`: the teacher in the form Qwen3.5's attention takes ----------------------------------
+QWEN3_FORM_FROM = ("llama", "qwen2", "mistral", "qwen3")
+
+
+def target_gdn(gdn, teacher_config):
+    """The GDN options `--target qwen3_5` builds (Qwen3.5's layer): returns the changed fields (logged, recorded)."""
+    need = dict(qk_activation="silu", v_activation="silu", gate="swish", output_norm=True, bias=False,
+                norm_eps=teacher_config.rms_norm_eps)
+    changed = {k: (getattr(gdn, k), v) for k, v in need.items() if getattr(gdn, k) != v}
+    for k, (_, v) in changed.items():
+        setattr(gdn, k, v)
+    if changed:
+        log.info("--target qwen3_5 sets GDN options %s", ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+    return changed
+
+
+def check_qwen3_form(tc) -> None:
+    """Fail early (before statistics) when `--target qwen3_5` cannot take this teacher."""
+    arch = tc.model_type
+    if arch not in QWEN3_FORM_FROM:
+        raise ValueError(f"--target qwen3_5 cannot take a {arch} teacher (Gemma 3: sandwich norms, GELU MLP and the "
+                         f"embedding scale have no Qwen3.5 form); supported: {', '.join(QWEN3_FORM_FROM)}")
+    if getattr(tc, "mlp_bias", False) or tc.hidden_act != "silu":
+        raise ValueError(f"--target qwen3_5 needs a SiLU MLP without bias (teacher: hidden_act={tc.hidden_act!r}, "
+                         f"mlp_bias={getattr(tc, 'mlp_bias', False)})")
+
+
+@torch.no_grad()
+def qwen3_form(teacher):
+    """The teacher rebuilt as a Qwen3 model (Qwen3.5's attention without its gate, which export sets to a constant
+    1/2): the same weights, plus q/k RMSNorm (unit weights here; `fit_qk_norm` and alignment set them) and a zero
+    o_proj bias where the teacher has q/k/v biases only. A Qwen3 teacher is returned as it is."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.initialization import no_init_weights
+
+    tc = teacher.config
+    check_qwen3_form(tc)
+    if tc.model_type == "qwen3":
+        return teacher
+    window = tc.sliding_window if tc.model_type == "mistral" or getattr(tc, "use_sliding_window", False) else None
+    if window is not None:
+        log.warning("--target qwen3_5: Qwen3.5 attention has no sliding window; the kept layers attend to the full "
+                    "context instead of %d tokens (the same model on sequences up to that length)", window)
+    attn0 = teacher.model.layers[0].self_attn
+    cfg = Qwen3Config(
+        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        num_hidden_layers=tc.num_hidden_layers, num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads, head_dim=attn0.head_dim, hidden_act="silu",
+        max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
+        rope_parameters=dict(tc.rope_parameters), tie_word_embeddings=tc.tie_word_embeddings,
+        attention_bias=attn0.q_proj.bias is not None or attn0.o_proj.bias is not None, use_sliding_window=False,
+        bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id)
+    cfg._attn_implementation = getattr(tc, "_attn_implementation", None) or "sdpa"
+    param = next(teacher.parameters())
+    with no_init_weights(), torch.device(param.device):
+        model = Qwen3ForCausalLM(cfg).to(param.dtype)
+    missing, unexpected = model.load_state_dict(teacher.state_dict(), strict=False)
+    for name in missing:
+        p = model.get_parameter(name)
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            p.fill_(1.0)
+        elif name.endswith("_proj.bias"):
+            p.zero_()
+        elif name != "lm_head.weight":
+            raise RuntimeError(f"teacher -> Qwen3 form: no teacher weight for {name}")
+    if unexpected:
+        raise RuntimeError(f"teacher -> Qwen3 form: weights {unexpected[:5]} have no place")
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def fit_qk_norm(attn, x: torch.Tensor) -> None:
+    """Closed-form start for the added q/k RMSNorm weights: per channel d, the least-squares w_d with
+    w_d * q_d / rms(q) ~ q_d over the given inputs' tokens and heads (the same for k), so the normed projections keep
+    the teacher's typical size; alignment then fixes what a per-token rescaling changes."""
+    for proj, norm in ((attn.q_proj, attn.q_norm), (attn.k_proj, attn.k_norm)):
+        D = norm.weight.shape[0]
+        q = proj(x.to(proj.weight)).float().reshape(-1, D)
+        qn = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        norm.weight.copy_(((q * qn).sum(0) / qn.pow(2).sum(0).clamp_min(1e-12)).to(norm.weight))

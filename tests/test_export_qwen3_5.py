@@ -128,3 +128,44 @@ def test_export_never_overwrites(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(FileExistsError):
         export_qwen3_5(tmp_path / "hybrid", tmp_path / "out")
+
+
+# --- convert --target qwen3_5: teachers without q/k norm -----------------------------------------------------------
+def local_teacher(root, arch):
+    """(teacher_dir, corpus_dir): a saved random `arch` model with an offline tokenizer, and its corpus."""
+    from conftest import VOCAB, tiny_corpus, tiny_tokenizer
+    corpus = tiny_corpus(root / "corpus")
+    tokenizer = tiny_tokenizer([p.read_text() for p in sorted(corpus.iterdir())])
+    teacher = tiny_teacher(arch, vocab_size=VOCAB, initializer_range=0.1)
+    teacher.save_pretrained(root / "teacher")
+    tokenizer.save_pretrained(root / "teacher")
+    return root / "teacher", corpus
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_target_qwen3_5_converts_exports_and_loads(tmp_path, arch):
+    from conftest import one_thread
+
+    from taylor_calibrate.cli import main
+    from taylor_calibrate.export import load_model
+
+    teacher_dir, corpus = local_teacher(tmp_path, arch)
+    out, served = tmp_path / "hybrid", tmp_path / "served"
+    with one_thread():
+        assert main(["convert", "--teacher", str(teacher_dir), "--target", "qwen3_5", "--device", "cpu", "--backend",
+                     "torch", "--data.source", str(corpus), "--data.seq_len", "32", "--data.calib_seqs", "4",
+                     "--data.eval_seqs", "2", "--phase2.steps", "6", "--phase2.batch_size", "2", "--phase2.log_every",
+                     "2", "--out", str(out)]) == 0
+        assert main(["export", "--model", str(out), "--format", "qwen3_5", "--out", str(served)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["target"] == "qwen3_5" and report["args"]["gdn"]["v_activation"] == "silu"
+    attn = report["phase2_attention"]
+    assert sorted(int(k) for k in attn["layers"]) == report["kept_layers"]
+    assert attn["mean_rel_mse_after"] <= attn["mean_rel_mse_before"]  # best state: never worse than the fitted start
+    hybrid, tokenizer = load_model(out)
+    ids = tokenizer("the river moves slowly over quiet hills", return_tensors="pt").input_ids.repeat(2, 1)
+    with torch.no_grad():
+        ours = hybrid(ids, use_cache=False).logits
+    theirs = run_transformers(served, ids, tmp_path)
+    assert (ours - theirs["logits"]).abs().max() < 1e-4  # the exported model is the model convert measured
+    assert (served / "tokenizer.json").exists() and (served / "generation_config.json").exists()

@@ -134,7 +134,8 @@ def _repeat_heads(w: torch.Tensor, num_kv: int, groups: int) -> torch.Tensor:
 
 @torch.no_grad()
 def copy_attention_weights(gdn: GatedDeltaNet, attn: nn.Module, num_kv_heads: int) -> None:
-    """q_proj <- W_Q, o_proj <- W_O, k/v_proj <- W_K/W_V with GQA heads repeated; biases carried (Qwen2)."""
+    """q_proj <- W_Q, o_proj <- W_O, k/v_proj <- W_K/W_V with GQA heads repeated; biases carried (Qwen2) unless
+    the GDN option `bias` is off."""
     groups = gdn.num_heads // num_kv_heads
     gdn.q_proj.weight.copy_(attn.q_proj.weight)
     gdn.o_proj.weight.copy_(attn.o_proj.weight)
@@ -142,6 +143,8 @@ def copy_attention_weights(gdn: GatedDeltaNet, attn: nn.Module, num_kv_heads: in
         getattr(gdn, name).weight.copy_(_repeat_heads(getattr(attn, name).weight, num_kv_heads, groups))
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         src, dst = getattr(attn, name).bias, getattr(gdn, name).bias
+        if dst is None and not gdn.cfg.bias:  # a bias-free GDN (--target qwen3_5) drops the teacher's biases
+            continue
         if (src is None) != (dst is None):
             raise ValueError(f"{name} bias mismatch between teacher attention and GDN layer")
         if src is not None:

@@ -54,7 +54,8 @@ def make_hybrid_config(teacher_config, gdn_layers: list[int], gdn: GDNConfig, te
 def _new_gdn(base, gdn_cfg: GDNConfig, layer_idx: int, attn: nn.Module) -> GatedDeltaNet:
     head_dim = getattr(base, "head_dim", None) or base.hidden_size // base.num_attention_heads
     return GatedDeltaNet(base.hidden_size, base.num_attention_heads, head_dim, gdn_cfg, layer_idx,
-                         qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None)
+                         qkv_bias=gdn_cfg.bias and attn.q_proj.bias is not None,
+                         o_bias=gdn_cfg.bias and attn.o_proj.bias is not None)
 
 
 class HybridPreTrainedModel(PreTrainedModel):
