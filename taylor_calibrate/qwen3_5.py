@@ -182,6 +182,8 @@ def qwen3_5_config(cfg: HybridConfig, dtype: torch.dtype) -> dict:
         "rms_norm_eps": base["rms_norm_eps"],
         "tie_word_embeddings": bool(base.get("tie_word_embeddings", False)),
         "attention_bias": bool(base.get("attention_bias", False)),
+        "qkv_bias": bool(base.get("attention_bias", False)),  # vLLM reads this (its o_proj never has a bias)
+        "attn_output_gate": True,  # engines that read it default to True (vLLM) or False (others): say it
         "attention_dropout": 0.0,
         "rope_parameters": rope,
         "rope_theta": rope["rope_theta"],
@@ -200,6 +202,12 @@ def qwen3_5_config(cfg: HybridConfig, dtype: torch.dtype) -> dict:
     interval = full_attention_interval(cfg.layer_types)
     if interval is not None:
         out["full_attention_interval"] = interval
+    else:
+        log.warning("the kept attention layers %s are not Qwen3.5's periodic pattern (layers k-1, 2k-1, ...): "
+                    "transformers, vLLM and llama.cpp builds that read `layer_types` / recurrent_layers run it; "
+                    "SGLang (which builds the pattern from full_attention_interval alone) cannot. For SGLang, "
+                    "convert with --policy layers=<k-1, 2k-1, ...> (docs/serving.md)",
+                    [i for i, t in enumerate(cfg.layer_types) if t != GDN_TYPE])
     return out
 
 
