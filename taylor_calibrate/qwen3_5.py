@@ -305,9 +305,15 @@ def export_qwen3_5(model_dir: str | Path, out_dir: str | Path) -> Path:
 
 def run_export(args: ExportArgs) -> dict:
     """Export a converted hybrid to a format that inference engines run without our package."""
-    out = export_qwen3_5(args.model, args.out)
-    print(f"exported {args.model} -> {out} ({args.format}): load with transformers' AutoModelForCausalLM, no "
-          "trust_remote_code")
+    if args.format == "gguf":
+        from taylor_calibrate.qwen35_gguf import export_gguf
+
+        out = export_gguf(args.model, args.out)
+        print(f"exported {args.model} -> {out} (GGUF, llama.cpp architecture qwen35)")
+    else:
+        out = export_qwen3_5(args.model, args.out)
+        print(f"exported {args.model} -> {out} ({args.format}): load with transformers' AutoModelForCausalLM, no "
+              "trust_remote_code")
     return {"model": args.model, "out": str(out), "format": args.format}
 
 

@@ -50,9 +50,9 @@ def run_transformers(export_dir, ids, tmp_path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def tiny_hybrid(arch="qwen3", gdn_layers=(0, 1, 2), seed=0, **gdn_over):
+def tiny_hybrid(arch="qwen3", gdn_layers=(0, 1, 2), seed=0, vocab_size=97, **gdn_over):
     """A tiny hybrid whose every parameter (norms, convs, gates) is off its default, so each map is exercised."""
-    teacher = tiny_teacher(arch, seed=seed)
+    teacher = tiny_teacher(arch, seed=seed, vocab_size=vocab_size)
     g = torch.Generator().manual_seed(seed + 1)
     for name, p in teacher.named_parameters():
         if "norm" in name:
