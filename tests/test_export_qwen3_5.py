@@ -169,3 +169,9 @@ def test_target_qwen3_5_converts_exports_and_loads(tmp_path, arch):
     theirs = run_transformers(served, ids, tmp_path)
     assert (ours - theirs["logits"]).abs().max() < 1e-4  # the exported model is the model convert measured
     assert (served / "tokenizer.json").exists() and (served / "generation_config.json").exists()
+    if arch == "llama":  # `eval` reads the export with transformers' class: the held-out perplexity convert measured
+        data = ["--data.source", str(corpus), "--data.seq_len", "32", "--data.eval_seqs", "2", "--device", "cpu"]
+        with one_thread():
+            assert main(["eval", "--model", str(served), "--out", str(tmp_path / "eval"), *data]) == 0
+        served_ppl = json.loads((tmp_path / "eval" / "report.json").read_text())["model_ppl"]
+        assert served_ppl == pytest.approx(report["hybrid_ppl"], rel=1e-4)
