@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from taylor_calibrate.config import GDNConfig
-from taylor_calibrate.ops import gated_delta_rule
+from taylor_calibrate.ops import gated_delta_rule, l2norm
 
 
 class HeadRMSNorm(nn.Module):
@@ -82,7 +82,7 @@ class GatedDeltaNet(nn.Module):
         q = _ACT[self.cfg.qk_activation](q).view(B, T, H, D)
         k = _ACT[self.cfg.qk_activation](k).view(B, T, H, D)
         v = _ACT[self.cfg.v_activation](v).view(B, T, H, D)
-        q, k = F.normalize(q.float(), dim=-1, eps=1e-6).to(v.dtype), F.normalize(k.float(), dim=-1, eps=1e-6).to(v.dtype)
+        q, k = l2norm(q.float()).to(v.dtype), l2norm(k.float()).to(v.dtype)  # fla's (and Qwen3.5's) formula
         beta = torch.sigmoid(self.b_proj(x).float())  # (B, T, H)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())  # log gamma
         if gdn_mask is not None:
