@@ -352,6 +352,8 @@ def qwen3_form(teacher):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.initialization import no_init_weights
 
+    from taylor_calibrate.model.hybrid import copy_buffers
+
     tc = teacher.config
     check_qwen3_form(tc)
     if tc.model_type == "qwen3":
@@ -385,6 +387,7 @@ def qwen3_form(teacher):
     if unexpected:
         raise RuntimeError(f"teacher -> Qwen3 form: weights {unexpected[:5]} have no place")
     model.tie_weights()
+    copy_buffers(teacher, model)
     return model.eval().requires_grad_(False)
 
 

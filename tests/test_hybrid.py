@@ -120,3 +120,14 @@ def test_every_supported_arch_builds_from_config(arch_name):
     from taylor_calibrate.teacher import check_architecture
 
     check_architecture(tiny_teacher(arch_name).config)
+
+
+def test_convert_keeps_the_teachers_fp32_rope_frequencies():
+    """A bf16 teacher keeps inv_freq in fp32; the hybrid built and cast to bf16 must too (a bf16 inv_freq is 0.3% off:
+    radians of RoPE phase after a few thousand positions in every kept attention layer)."""
+    from conftest import tiny_config
+    teacher = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.bfloat16)
+    assert teacher.model.rotary_emb.inv_freq.dtype == torch.float32
+    hybrid = convert_teacher(teacher, [1, 2, 3], GDNConfig())
+    assert torch.equal(hybrid.model.rotary_emb.inv_freq, teacher.model.rotary_emb.inv_freq)
+    assert hybrid.model.rotary_emb.inv_freq.dtype == torch.float32
