@@ -50,9 +50,9 @@ def run_transformers(export_dir, ids, tmp_path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def tiny_hybrid(arch="qwen3", gdn_layers=(0, 1, 2), seed=0, vocab_size=97, **gdn_over):
+def tiny_hybrid(arch="qwen3", gdn_layers=(0, 1, 2), seed=0, vocab_size=97, tie=False, **gdn_over):
     """A tiny hybrid whose every parameter (norms, convs, gates) is off its default, so each map is exercised."""
-    teacher = tiny_teacher(arch, seed=seed, vocab_size=vocab_size)
+    teacher = tiny_teacher(arch, seed=seed, vocab_size=vocab_size, tie_word_embeddings=tie)
     g = torch.Generator().manual_seed(seed + 1)
     for name, p in teacher.named_parameters():
         if "norm" in name:
@@ -89,6 +89,16 @@ def test_qwen3_export_matches_ours(tmp_path, gdn_layers, short_conv, interval):
     assert cfg["model_type"] == "qwen3_5_text" and cfg["partial_rotary_factor"] == 1.0
     assert cfg["layer_types"] == ["linear_attention" if i in gdn_layers else "full_attention" for i in range(4)]
     assert cfg.get("full_attention_interval") == interval
+
+
+def test_tied_embeddings(tmp_path):
+    _, hybrid = tiny_hybrid(tie=True)
+    save_hybrid(hybrid, None, tmp_path / "hybrid")
+    export_qwen3_5(tmp_path / "hybrid", tmp_path / "qwen3_5")
+    ids = _ids(hybrid.config.vocab_size)
+    with torch.no_grad():
+        ours = hybrid(ids, use_cache=False).logits
+    assert (ours - run_transformers(tmp_path / "qwen3_5", ids, tmp_path)["logits"]).abs().max() < 1e-4
 
 
 def test_layer_pattern_helpers():
