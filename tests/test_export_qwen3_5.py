@@ -185,3 +185,21 @@ def test_target_qwen3_5_converts_exports_and_loads(tmp_path, arch):
             assert main(["eval", "--model", str(served), "--out", str(tmp_path / "eval"), *data]) == 0
         served_ppl = json.loads((tmp_path / "eval" / "report.json").read_text())["model_ppl"]
         assert served_ppl == pytest.approx(report["hybrid_ppl"], rel=1e-4)
+
+
+def test_cli_export_of_an_unsupported_hybrid_is_a_clear_error(tmp_path, capsys):
+    from taylor_calibrate.cli import main
+
+    _, hybrid = tiny_hybrid(v_activation="identity")
+    save_hybrid(hybrid, None, tmp_path / "hybrid")
+    assert main(["export", "--model", str(tmp_path / "hybrid"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be exported exactly to qwen3_5" in err and "--gdn.v_activation='identity'" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_target_qwen3_5_refuses_gemma3_with_the_reason():
+    from taylor_calibrate.qwen3_5 import qwen3_form
+
+    with pytest.raises(ValueError, match="Gemma 3"):
+        qwen3_form(tiny_teacher("gemma3_text"))
