@@ -131,3 +131,19 @@ def test_convert_keeps_the_teachers_fp32_rope_frequencies():
     hybrid = convert_teacher(teacher, [1, 2, 3], GDNConfig())
     assert torch.equal(hybrid.model.rotary_emb.inv_freq, teacher.model.rotary_emb.inv_freq)
     assert hybrid.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_static_cache_generate_equals_dynamic(arch, single_thread):
+    """generate(cache_implementation="static") hands the model one prepared mask per layer type (a dict); the hybrid
+    gives its base model the attention ones and keeps the 2-D padding mask for its GDN layers: same tokens as the
+    dynamic cache, left padding included."""
+    hybrid = convert_teacher(tiny_teacher(arch), [1, 2], GDNConfig())
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        dynamic = hybrid.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        static = hybrid.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                 cache_implementation="static")
+    assert torch.equal(dynamic, static)

@@ -105,9 +105,14 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)  # KV layers for attention, recurrent-state layers for GDN
+        padding = attention_mask
+        if isinstance(attention_mask, dict):  # generate() with a static cache: one prepared mask per layer type
+            padding = attention_mask.get(GDN_TYPE)
+            kept = {k: v for k, v in attention_mask.items() if k != GDN_TYPE}
+            attention_mask = kept if len(kept) > 1 else next(iter(kept.values()), None)
         gdn_mask = None
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            gdn_mask = attention_mask
+        if isinstance(padding, torch.Tensor) and padding.dim() == 2 and not bool(padding.all()):
+            gdn_mask = padding
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, gdn_mask=gdn_mask, **kwargs)
         hidden = out.last_hidden_state
