@@ -485,3 +485,81 @@ def _print_table(report: dict) -> None:
         note = f"diverged at step {r['diverged_at']}" if r["diverged_at"] is not None else ""
         print(f"  {l:>5}  {r['rel_mse_before']:>10.4f}  {r['rel_mse_after']:>10.4f}  {r['best_step']:>9}  {note}")
     print(f"  {'mean':>5}  {report['mean_rel_mse_before']:>10.4f}  {report['mean_rel_mse_after']:>10.4f}")
+
+
+class RopedAttention(nn.Module):
+    """A kept attention module called like a mixer, `(x) -> (out, None)`: RoPE for positions 0..T-1 and the causal
+    mask come from here, so `rel_mse` and the alignment loop treat it like a GDN layer."""
+
+    def __init__(self, attn: nn.Module, rotary: nn.Module):
+        super().__init__()
+        self.attn, self.rotary = attn, rotary
+
+    @property
+    def o_proj(self):
+        return self.attn.o_proj
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], device=x.device)[None]
+        return self.attn(x, position_embeddings=self.rotary(x, pos), attention_mask=None)[0], None
+
+
+def align_attention(attns: dict[int, RopedAttention], inputs: dict[int, Tensor], targets: dict[int, Tensor],
+                    args: AlignArgs, *, eval_rows: int = 4) -> dict:
+    """Phase 2 for kept attention layers whose form changed (`convert --target qwen3_5` adds q/k RMSNorm): each layer is
+    trained, teacher-forced, to reproduce the teacher's attention output from the teacher's input, with phase 2's
+    rows, schedule, sink weighting, clipping and best-state rule (a layer never ends worse than it started on the
+    eval rows). Trained: q_proj and k_proj at `lr_qkv`, q_norm and k_norm at `lr`; the values and o_proj stay."""
+    layers = sorted(attns)
+    n_rows = _check_data(attns, inputs, targets)
+    n_eval, batch = min(n_rows, eval_rows), min(args.batch_size, n_rows)
+    idx = batch_indices(n_rows, batch, args.steps, args.seed)
+    crop = slice(None) if args.seq_len is None else slice(0, args.seq_len)
+    report = {}
+    for l in tqdm(layers, desc="align attention", leave=False):
+        m, x, y = attns[l], inputs[l], targets[l]
+        a = m.attn
+        dtype, device = a.q_proj.weight.dtype, a.q_proj.weight.device
+        a.float().eval()  # fp32 master weights; cast back at the end
+        groups = [{"params": [p for mod in (a.q_proj, a.k_proj) for p in mod.parameters()], "lr": args.lr_qkv},
+                  {"params": [a.q_norm.weight, a.k_norm.weight], "lr": args.lr}]
+        trained = [p for g in groups for p in g["params"]]
+        for p in a.parameters():
+            p.requires_grad_(False)
+        for p in trained:
+            p.requires_grad_(True)
+        opt = torch.optim.AdamW(groups, weight_decay=args.weight_decay, betas=(0.9, args.adam_beta2))
+        best = before = rel_mse(m, x[:n_eval], y[:n_eval], batch)
+        best_state, best_step = [p.detach().clone() for p in trained], 0
+        for step in range(1, args.steps + 1):
+            rows = idx[step - 1]
+            xb, yb = (t[rows.to(t.device)][:, crop].to(device, torch.float32) for t in (x, y))
+            with autocast(device):
+                out = m(xb)[0]
+            per_pos = (out.float() - yb).pow(2).mean((0, 2))  # (T,)
+            loss = (per_pos.sum() + (args.sink_weight - 1.0) * per_pos[0]) / (per_pos.numel() + args.sink_weight - 1.0)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.grad_clip > 0:
+                nn.utils.clip_grad_norm_(trained, args.grad_clip)
+            for g, base in zip(opt.param_groups, (args.lr_qkv, args.lr)):
+                g["lr"] = base * lr_factor(step, args)
+            opt.step()
+            if step % args.log_every == 0 or step == args.steps:
+                r = rel_mse(m, x[:n_eval], y[:n_eval], batch)
+                if not math.isfinite(r):
+                    log.warning("align attention: layer %d diverged at step %d; keeping step %d", l, step, best_step)
+                    break
+                if r < best:
+                    best, best_step = r, step
+                    best_state = [p.detach().clone() for p in trained]
+        with torch.no_grad():
+            for p, b in zip(trained, best_state):
+                p.copy_(b)
+        for p in a.parameters():
+            p.requires_grad_(False)
+        a.to(dtype)
+        report[l] = dict(rel_mse_before=before, rel_mse_after=rel_mse(m, x[:n_eval], y[:n_eval], batch),
+                         best_step=best_step)
+    return {"layers": report, "mean_rel_mse_before": sum(r["rel_mse_before"] for r in report.values()) / len(layers),
+            "mean_rel_mse_after": sum(r["rel_mse_after"] for r in report.values()) / len(layers)}

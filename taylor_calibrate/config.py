@@ -49,6 +49,9 @@ class GDNConfig:
     """Output gate form: "swish" (fla), "sigmoid", or "none" (no g_proj)."""
     norm_eps: float = 1e-5
     """Epsilon of the per-head RMSNorm."""
+    bias: bool = True
+    """Carry the teacher's q/k/v/o projection biases (Qwen2's q/k/v) into the GDN layer; `--target qwen3_5` turns
+    this off (Qwen3.5's GDN has no biases)."""
 
     def __post_init__(self):
         choices = {"short_conv": ("none", "identity", "random"), "qk_activation": ("silu", "identity"),
@@ -241,6 +244,7 @@ class DataArgs(CorpusSpec):
 
 
 INITS = ("copy", "zero_gate", "paper", "taylor")
+TARGETS = ("hybrid", "qwen3_5")
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 PROFILES = ("full", "quick")
@@ -307,11 +311,18 @@ class ConvertArgs(PipelineArgs):
     """Phase 2 (docs/method.md, "Phase 2: alignment"): teacher-forced per-layer alignment after phase 1."""
     policy: str = "uniform"
     """Which layers stay softmax attention: "uniform", "bypass", "greedy", or "layers=0,4,8"."""
+    target: str = "hybrid"
+    """"hybrid": our own format (the teacher's modules, GDN options as given); "qwen3_5": a hybrid that exports
+    exactly to Qwen3.5 (`export --format qwen3_5`, served by transformers / vLLM / SGLang / llama.cpp): GDN layers in
+    the form it expresses (SiLU q/k/v, swish gate, no biases, the teacher's norm epsilon) and, for teachers without
+    q/k norm (Llama, Qwen2, Mistral), kept attention layers given q/k RMSNorm and aligned like phase 2."""
 
     def __post_init__(self):
         super().__post_init__()
         if self.init not in INITS:
             raise ValueError(f"init={self.init!r} is not one of {INITS}")
+        if self.target not in TARGETS:
+            raise ValueError(f"target={self.target!r} is not one of {TARGETS}")
 
 
 @dataclass
@@ -529,3 +540,23 @@ class RecoveryArgs(PipelineArgs):
     niah_samples: int = 4
     command: str | None = None
     """The command line to record in the results."""
+
+
+EXPORT_FORMATS = ("qwen3_5", "gguf")
+
+
+@dataclass
+class ExportArgs:
+    """`taylor-calibrate export`: a converted hybrid -> a format inference engines run without our package."""
+
+    model: str = "out/hybrid"
+    """A `convert` output directory."""
+    out: str = "out/qwen3_5"
+    """Output directory (must not exist)."""
+    format: str = "qwen3_5"
+    """"qwen3_5": transformers' Qwen3_5ForCausalLM (also vLLM, SGLang); "gguf": llama.cpp's qwen35 (one .gguf file
+    in --out)."""
+
+    def __post_init__(self):
+        if self.format not in EXPORT_FORMATS:
+            raise ValueError(f"export format={self.format!r} is not one of {EXPORT_FORMATS}")

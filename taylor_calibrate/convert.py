@@ -10,7 +10,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from taylor_calibrate.align import align_layers
+import torch
+
+from taylor_calibrate.align import RopedAttention, align_attention, align_layers
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.config import ConvertArgs, apply_profile
 from taylor_calibrate.data import load_splits
@@ -18,6 +20,7 @@ from taylor_calibrate.evaluate import perplexity, print_table
 from taylor_calibrate.export import REPORT, save_hybrid, write_json
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.ops import resolve_backend, training_backend
+from taylor_calibrate.qwen3_5 import check_qwen3_form, fit_qk_norm, qwen3_form, target_gdn
 from taylor_calibrate.policy import SCORED, bypass_scores, gdn_layers, greedy_scores, kept_layers
 from taylor_calibrate.stats import attention_targets, collect_stats, store_device_for
 from taylor_calibrate.teacher import Teacher, load_teacher, resolve_device, resolve_dtype
@@ -50,6 +53,11 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     backend = resolve_backend(args.backend)
     profile = apply_profile(args, device.type)
     train_backend = training_backend(backend, args.backend, args.align)
+    adapt = False  # --target qwen3_5 from a teacher without q/k norm: kept attention layers change form
+    if args.target == "qwen3_5":
+        check_qwen3_form(teacher.model.config)
+        target_gdn(args.gdn, teacher.model.config)
+        adapt = teacher.model.config.model_type != "qwen3"
 
     n = teacher.model.config.num_hidden_layers
     if args.policy not in SCORED:
@@ -72,9 +80,10 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         kept = kept_layers(args.policy, n, args.keep_every, scores)
     candidates = list(range(n)) if args.policy == "greedy" else gdn_layers(kept, n)
     stats = None
-    if args.init != "copy" or args.align or args.policy == "greedy":
-        store = store_device_for(teacher.model, *splits.calib.shape, candidates, device)
-        stats = collect_stats(teacher.model, splits.calib, store_layers=candidates, batch_size=args.eval_batch_size,
+    stored = sorted(set(candidates) | set(kept if adapt and args.policy != "greedy" else []))
+    if args.init != "copy" or args.align or args.policy == "greedy" or adapt:
+        store = store_device_for(teacher.model, *splits.calib.shape, stored, device)
+        stats = collect_stats(teacher.model, splits.calib, store_layers=stored, batch_size=args.eval_batch_size,
                               store_device=store)
     times["stats_s"] = time.perf_counter() - t
 
@@ -86,7 +95,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     converted = gdn_layers(kept, n)
     mixers = {i: mixers[i] for i in converted}
     if stats is not None:  # greedy stored every layer's rows; phase 2 reads only the converted ones
-        for i in set(candidates) - set(converted):
+        for i in set(candidates) - set(converted) - set(kept if adapt else []):
             del stats.inputs[i], stats.head_outputs[i]
     times["phase1_s"] = time.perf_counter() - t
 
@@ -99,7 +108,20 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets, args.phase2)
     times["phase2_s"] = time.perf_counter() - t
 
-    hybrid = convert_teacher(teacher.model, converted, args.gdn, teacher_name=args.teacher, mixers=mixers)
+    t = time.perf_counter()
+    form, p2_attention = teacher.model, None
+    if args.target == "qwen3_5":
+        form = qwen3_form(teacher.model)
+    if adapt:  # q/k RMSNorm added to the kept attention: closed-form start, then phase 2's alignment
+        attns = {i: RopedAttention(form.model.layers[i].self_attn, form.model.rotary_emb) for i in kept}
+        for i, m in attns.items():
+            fit_qk_norm(m.attn, stats.inputs[i][:args.calib.fit_rows].to(device))
+        if args.align:
+            targets = attention_targets(teacher.model, stats, kept, release=True)
+            p2_attention = align_attention(attns, {i: stats.inputs[i] for i in kept}, targets, args.phase2)
+    times["target_s"] = time.perf_counter() - t
+
+    hybrid = convert_teacher(form, converted, args.gdn, teacher_name=args.teacher, mixers=mixers)
     hybrid.set_backend(backend)
     t = time.perf_counter()
     hybrid_eval = perplexity(hybrid, splits.heldout, args.eval_batch_size, desc="hybrid ppl")
@@ -120,6 +142,8 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         "calib_tokens": int(splits.calib.numel()),
         "phase1": p1,
         "phase2": p2,
+        "target": args.target,
+        "phase2_attention": p2_attention,
         "teacher_params": _count(teacher.model),
         "hybrid_params": _count(hybrid),
         "profile": profile,
@@ -142,6 +166,9 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     rows = [("teacher ppl", f"{teacher_eval['ppl']:.3f}"), (f"hybrid ppl ({init})", f"{hybrid_eval['ppl']:.3f}")]
     if p2 is not None:
         rows.append(("align rel-MSE before -> after", f"{p2['mean_rel_mse_before']:.3f} -> {p2['mean_rel_mse_after']:.3f}"))
+    if p2_attention is not None:
+        a = p2_attention
+        rows.append(("kept attention + q/k norm, rel-MSE", f"{a['mean_rel_mse_before']:.3f} -> {a['mean_rel_mse_after']:.3f}"))
     print_table(rows + [
         ("eval / calib tokens", f"{hybrid_eval['tokens']} / {report['calib_tokens']} ({profile} profile)"),
         ("params teacher / hybrid", f"{report['teacher_params'] / 1e6:.1f}M / {report['hybrid_params'] / 1e6:.1f}M"),

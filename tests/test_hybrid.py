@@ -120,3 +120,30 @@ def test_every_supported_arch_builds_from_config(arch_name):
     from taylor_calibrate.teacher import check_architecture
 
     check_architecture(tiny_teacher(arch_name).config)
+
+
+def test_convert_keeps_the_teachers_fp32_rope_frequencies():
+    """A bf16 teacher keeps inv_freq in fp32; the hybrid built and cast to bf16 must too (a bf16 inv_freq is 0.3% off:
+    radians of RoPE phase after a few thousand positions in every kept attention layer)."""
+    from conftest import tiny_config
+    teacher = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.bfloat16)
+    assert teacher.model.rotary_emb.inv_freq.dtype == torch.float32
+    hybrid = convert_teacher(teacher, [1, 2, 3], GDNConfig())
+    assert torch.equal(hybrid.model.rotary_emb.inv_freq, teacher.model.rotary_emb.inv_freq)
+    assert hybrid.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_static_cache_generate_equals_dynamic(arch, single_thread):
+    """generate(cache_implementation="static") hands the model one prepared mask per layer type (a dict); the hybrid
+    gives its base model the attention ones and keeps the 2-D padding mask for its GDN layers: same tokens as the
+    dynamic cache, left padding included."""
+    hybrid = convert_teacher(tiny_teacher(arch), [1, 2], GDNConfig())
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        dynamic = hybrid.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        static = hybrid.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                 cache_implementation="static")
+    assert torch.equal(dynamic, static)

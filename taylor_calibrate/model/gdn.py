@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from taylor_calibrate.config import GDNConfig
-from taylor_calibrate.ops import gated_delta_rule
+from taylor_calibrate.ops import gated_delta_rule, l2norm
 
 
 class HeadRMSNorm(nn.Module):
@@ -83,7 +83,7 @@ class GatedDeltaNet(nn.Module):
         q = _ACT[self.cfg.qk_activation](q).view(B, T, H, D)
         k = _ACT[self.cfg.qk_activation](k).view(B, T, H, D)
         v = _ACT[self.cfg.v_activation](v).view(B, T, H, D)
-        q, k = F.normalize(q.float(), dim=-1, eps=1e-6).to(v.dtype), F.normalize(k.float(), dim=-1, eps=1e-6).to(v.dtype)
+        q, k = l2norm(q.float()).to(v.dtype), l2norm(k.float()).to(v.dtype)  # fla's (and Qwen3.5's) formula
         beta = torch.sigmoid(self.b_proj(x).float())  # (B, T, H)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())  # log gamma
         if gdn_mask is not None:
@@ -135,7 +135,8 @@ def _repeat_heads(w: torch.Tensor, num_kv: int, groups: int) -> torch.Tensor:
 
 @torch.no_grad()
 def copy_attention_weights(gdn: GatedDeltaNet, attn: nn.Module, num_kv_heads: int) -> None:
-    """q_proj <- W_Q, o_proj <- W_O, k/v_proj <- W_K/W_V with GQA heads repeated; biases carried (Qwen2)."""
+    """q_proj <- W_Q, o_proj <- W_O, k/v_proj <- W_K/W_V with GQA heads repeated; biases carried (Qwen2) unless
+    the GDN option `bias` is off."""
     groups = gdn.num_heads // num_kv_heads
     gdn.q_proj.weight.copy_(attn.q_proj.weight)
     gdn.o_proj.weight.copy_(attn.o_proj.weight)
@@ -143,6 +144,8 @@ def copy_attention_weights(gdn: GatedDeltaNet, attn: nn.Module, num_kv_heads: in
         getattr(gdn, name).weight.copy_(_repeat_heads(getattr(attn, name).weight, num_kv_heads, groups))
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         src, dst = getattr(attn, name).bias, getattr(gdn, name).bias
+        if dst is None and not gdn.cfg.bias:  # a bias-free GDN (--target qwen3_5) drops the teacher's biases
+            continue
         if (src is None) != (dst is None):
             raise ValueError(f"{name} bias mismatch between teacher attention and GDN layer")
         if src is not None:

@@ -54,7 +54,8 @@ def make_hybrid_config(teacher_config, gdn_layers: list[int], gdn: GDNConfig, te
 def _new_gdn(base, gdn_cfg: GDNConfig, layer_idx: int, attn: nn.Module) -> GatedDeltaNet:
     head_dim = getattr(base, "head_dim", None) or base.hidden_size // base.num_attention_heads
     return GatedDeltaNet(base.hidden_size, base.num_attention_heads, head_dim, gdn_cfg, layer_idx,
-                         qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None)
+                         qkv_bias=gdn_cfg.bias and attn.q_proj.bias is not None,
+                         o_bias=gdn_cfg.bias and attn.o_proj.bias is not None)
 
 
 class HybridPreTrainedModel(PreTrainedModel):
@@ -104,9 +105,14 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)  # KV layers for attention, recurrent-state layers for GDN
+        padding = attention_mask
+        if isinstance(attention_mask, dict):  # generate() with a static cache: one prepared mask per layer type
+            padding = attention_mask.get(GDN_TYPE)
+            kept = {k: v for k, v in attention_mask.items() if k != GDN_TYPE}
+            attention_mask = kept if len(kept) > 1 else next(iter(kept.values()), None)
         gdn_mask = None
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            gdn_mask = attention_mask
+        if isinstance(padding, torch.Tensor) and padding.dim() == 2 and not bool(padding.all()):
+            gdn_mask = padding
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, gdn_mask=gdn_mask, **kwargs)
         hidden = out.last_hidden_state
@@ -157,6 +163,19 @@ def swapped_into(teacher: PreTrainedModel, mixers: dict[int, GatedDeltaNet]):
             layers[i].self_attn = a
 
 
+@torch.no_grad()
+def copy_buffers(src: nn.Module, dst: nn.Module) -> None:
+    """Give `dst` the buffers of `src` that it shares by name (RoPE's inv_freq), dtype included: `.to(bf16)` of a
+    freshly built model casts inv_freq to bf16 (0.4% off, radians of phase at a few thousand positions), while the
+    teacher, loaded with its dtype, keeps it fp32."""
+    mods = dict(dst.named_modules())
+    for name, buf in src.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        mod = mods.get(owner)
+        if mod is not None and leaf in mod._buffers and mod._buffers[leaf] is not None:
+            mod._buffers[leaf] = buf.detach().clone()
+
+
 def convert_teacher(teacher: PreTrainedModel, gdn_layers: list[int], gdn: GDNConfig, *, teacher_name: str | None = None,
                     seed: int = 0, mixers: dict[int, GatedDeltaNet] | None = None) -> HybridForCausalLM:
     """Build the hybrid: the teacher's weights everywhere, GDN mixers at `gdn_layers` (copy-only ones from
@@ -174,6 +193,7 @@ def convert_teacher(teacher: PreTrainedModel, gdn_layers: list[int], gdn: GDNCon
     if missing or unexpected:
         raise RuntimeError(f"teacher -> hybrid weight map failed: missing {missing[:5]}, unexpected {unexpected[:5]}")
     hybrid.tie_weights()  # re-share lm_head and embeddings when the teacher ties them (load_state_dict copied both)
+    copy_buffers(teacher, hybrid)
     if mixers is None:
         mixers = make_mixers(teacher, gdn_layers, gdn, seed)
     for i, mixer in hybrid.gdn_mixers.items():

@@ -1,0 +1,140 @@
+"""Export a hybrid to a GGUF file for llama.cpp's `qwen35` architecture, written with the `gguf` package.
+
+The weights are the Qwen3.5 form (qwen3_5.py) renamed with gguf's own tensor-name map for QWEN35, with the three
+changes llama.cpp's loader expects: RMSNorm weights stored as the multiplier w (Qwen3.5 safetensors store w - 1; the
+GDN's gated norm is already w), `A_log` stored as A = -exp(A_log) (`ssm_a`), `dt_bias` as `ssm_dt.bias`, and the
+depthwise conv kernel as (channels, K). The layer pattern goes in `qwen35.attention.recurrent_layers` (any pattern;
+llama.cpp builds that read it) and, when periodic, also `qwen35.full_attention_interval` (older builds read only
+that). The tokenizer goes in as a byte-level BPE ("gpt2") vocabulary from tokenizer.json.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from taylor_calibrate.config import GDN_TYPE
+from taylor_calibrate.qwen3_5 import _load_hybrid_files, qwen3_5_config, qwen3_5_state_dict
+
+log = logging.getLogger("taylor_calibrate")
+
+ARCH = "qwen35"
+GGUF_NAME = "model.gguf"
+
+
+def _gguf_tensor(name: str, w: torch.Tensor, tensor_map) -> tuple[str, np.ndarray]:
+    """One Qwen3.5 tensor -> (GGUF name, fp32 array) in llama.cpp's layout."""
+    w = w.detach().float()
+    base, _, suffix = name.rpartition(".")
+    if name.endswith(".A_log"):
+        return tensor_map.get_name(name), (-w.exp()).numpy()
+    if name.endswith(".dt_bias"):
+        return tensor_map.get_name(name.replace(".dt_bias", ".dt_proj")) + ".bias", w.numpy()
+    if name.endswith("conv1d.weight"):
+        w = w.squeeze(1)
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        w = w + 1  # Qwen3.5 stores (1 + w) norms as w; llama.cpp multiplies by the weight itself
+    mapped = tensor_map.get_name(base)
+    if mapped is None:
+        raise ValueError(f"gguf export: no {ARCH} tensor name for {name}")
+    return f"{mapped}.{suffix}", w.numpy()
+
+
+def _add_tokenizer(writer, src: Path, config: dict) -> None:
+    """A byte-level BPE vocabulary (tokens, types, merges, special ids) from the hybrid's tokenizer.json."""
+    path = src / "tokenizer.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: GGUF needs the tokenizer; re-run `convert` (it saves one)")
+    tok = json.loads(path.read_text())
+    model = tok["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"gguf export supports byte-level BPE tokenizers; {path} is {model.get('type')}")
+    vocab = dict(model["vocab"])
+    special = {}
+    for t in tok.get("added_tokens", []):
+        vocab[t["content"]] = t["id"]
+        if t.get("special"):
+            special[t["content"]] = t["id"]
+    n = max(config["vocab_size"], max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [5] * n  # gguf.TokenType.UNUSED for ids the tokenizer does not use (an embedding padded to a round size)
+    for t, i in vocab.items():
+        tokens[i] = t
+        types[i] = 3 if t in special else 1  # CONTROL / NORMAL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                     ("pad_token_id", writer.add_pad_token_id)):
+        v = config.get(key)
+        if isinstance(v, list):
+            v = v[0]
+        if v is not None:
+            add(int(v))
+
+
+def export_gguf(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write `out_dir`/model.gguf (fp32) for llama.cpp's qwen35 from the hybrid in `model_dir`. Refuses what Qwen3.5
+    cannot express (qwen3_5.check_exportable) and RoPE scaling llama.cpp's qwen35 does not read here."""
+    import gguf
+
+    src, out = Path(model_dir), Path(out_dir)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new --out (export never overwrites)")
+    cfg, state = _load_hybrid_files(src)
+    weights = qwen3_5_state_dict(cfg, state)
+    config = qwen3_5_config(cfg, torch.float32)
+    rope = config["rope_parameters"]
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"gguf export writes plain RoPE; this model's rope_type is {rope['rope_type']!r}")
+    n_layers, D = config["num_hidden_layers"], config["head_dim"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp"))
+    try:
+        writer = gguf.GGUFWriter(str(tmp / GGUF_NAME), ARCH)
+        writer.add_name(src.name)
+        writer.add_context_length(config["max_position_embeddings"])
+        writer.add_embedding_length(config["hidden_size"])
+        writer.add_block_count(n_layers)
+        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_head_count(config["num_attention_heads"])
+        writer.add_head_count_kv(config["num_key_value_heads"])
+        writer.add_key_length(D)
+        writer.add_value_length(D)
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        writer.add_rope_freq_base(float(rope["rope_theta"]))
+        writer.add_rope_dimension_count(D)  # partial_rotary_factor 1.0: llama.cpp's converter would default 0.25
+        writer.add_rope_dimension_sections([*rope["mrope_section"], 0])
+        writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+        writer.add_ssm_state_size(config["linear_key_head_dim"])
+        writer.add_ssm_group_count(config["linear_num_key_heads"])
+        writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
+        writer.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
+        writer.add_array(f"{ARCH}.attention.recurrent_layers", [t == GDN_TYPE for t in cfg.layer_types])
+        if "full_attention_interval" in config:
+            writer.add_full_attention_interval(config["full_attention_interval"])
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        _add_tokenizer(writer, src, config)
+        tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, n_layers)
+        for name, w in weights.items():
+            gname, arr = _gguf_tensor(name, w, tensor_map)
+            writer.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %s -> %s (GGUF %s, fp32)", src, out / GGUF_NAME, ARCH)
+    return out / GGUF_NAME

@@ -1,0 +1,30 @@
+"""benchmarks/decode_qwen3_5.py end to end on tiny shapes (CPU): the export runs in transformers' class and gives our
+logits, every model decodes through the static cache, the JSON and its table are written."""
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_qwen3_5.py"
+
+
+def test_tiny_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("decode_qwen3_5_benchmark", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    out = tmp_path / "decode.json"
+    mod.main(["--tiny", "--device", "cpu", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["models"] == {"teacher": "Qwen2ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "ours": "HybridForCausalLM"}
+    assert res["export_logits_rel_err"] < 1e-5 and "commit" in res and "dirty" in res
+    assert all(e["static"] < 1e-4 for e in res["static_decode_rel_err"].values())
+    for cell, rows in res["rows"].items():
+        for name in ("teacher", "qwen3_5", "ours"):
+            assert math.isfinite(rows[name]["decode_tok_s"]) and rows[name]["min_bytes_per_step"] > 0, (cell, name)
+    assert (tmp_path / "decode.md").read_text().startswith("| context x batch")

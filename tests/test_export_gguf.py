@@ -1,0 +1,108 @@
+"""GGUF export for llama.cpp's qwen35 (taylor_calibrate/qwen35_gguf.py): tensor names, shapes and metadata are the ones
+llama.cpp's loader reads; with llama-cpp-python installed, llama.cpp's logits equal our hybrid's."""
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from taylor_calibrate.export import save_hybrid
+from taylor_calibrate.qwen35_gguf import export_gguf
+
+from conftest import VOCAB, tiny_corpus, tiny_tokenizer
+from test_export_qwen3_5 import tiny_hybrid
+
+gguf = pytest.importorskip("gguf")
+
+# What llama.cpp's qwen35 loader (src/models/qwen35.cpp, llama.cpp vendored in llama-cpp-python 0.3.36) creates for a
+# dense model: per layer kind, GGUF tensor name -> shape as GGUF lists it (ne0 first), in terms of the config.
+def expected_tensors(n_layers, gdn_layers, E, F, H, Hkv, D, K, V):
+    out = {"token_embd.weight": [E, V], "output_norm.weight": [E], "output.weight": [E, V]}
+    for i in range(n_layers):
+        b = f"blk.{i}."
+        out.update({b + "attn_norm.weight": [E], b + "post_attention_norm.weight": [E], b + "ffn_gate.weight": [E, F],
+                    b + "ffn_up.weight": [E, F], b + "ffn_down.weight": [F, E]})
+        if i in gdn_layers:
+            out.update({b + "attn_qkv.weight": [E, 3 * H * D], b + "attn_gate.weight": [E, H * D],
+                        b + "ssm_conv1d.weight": [K, 3 * H * D], b + "ssm_dt.bias": [H], b + "ssm_a": [H],
+                        b + "ssm_beta.weight": [E, H], b + "ssm_alpha.weight": [E, H], b + "ssm_norm.weight": [D],
+                        b + "ssm_out.weight": [H * D, E]})
+        else:
+            out.update({b + "attn_q.weight": [E, 2 * H * D], b + "attn_k.weight": [E, Hkv * D],
+                        b + "attn_v.weight": [E, Hkv * D], b + "attn_output.weight": [H * D, E],
+                        b + "attn_q_norm.weight": [D], b + "attn_k_norm.weight": [D]})
+    return out
+
+
+REQUIRED_KEYS = ("general.architecture", "qwen35.context_length", "qwen35.embedding_length", "qwen35.block_count",
+                 "qwen35.feed_forward_length", "qwen35.attention.head_count", "qwen35.attention.head_count_kv",
+                 "qwen35.attention.layer_norm_rms_epsilon", "qwen35.rope.dimension_sections", "qwen35.ssm.conv_kernel",
+                 "qwen35.ssm.inner_size", "qwen35.ssm.state_size", "qwen35.ssm.time_step_rank",
+                 "qwen35.ssm.group_count", "qwen35.attention.recurrent_layers", "qwen35.rope.dimension_count",
+                 "qwen35.rope.freq_base", "tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+
+
+def export(tmp_path, gdn_layers=(0, 1, 2), **over):
+    tok = tiny_tokenizer([p.read_text() for p in sorted(tiny_corpus(tmp_path / "corpus").iterdir())])
+    _, hybrid = tiny_hybrid(gdn_layers=gdn_layers, vocab_size=VOCAB, **over)
+    save_hybrid(hybrid, tok, tmp_path / "hybrid")
+    return hybrid, tok, export_gguf(tmp_path / "hybrid", tmp_path / "gguf")
+
+
+@pytest.fixture
+def exported(tmp_path):
+    return export(tmp_path)
+
+
+def _field(reader, key):
+    f = reader.fields[key]
+    if len(f.data) == 1 and f.types[0] != gguf.GGUFValueType.ARRAY:
+        v = f.parts[f.data[0]]
+        return bytes(v).decode() if f.types[0] == gguf.GGUFValueType.STRING else v.tolist()[0]
+    return [f.parts[i].tolist()[0] if f.types[-1] != gguf.GGUFValueType.STRING else bytes(f.parts[i]).decode()
+            for i in f.data]
+
+
+def test_gguf_tensors_and_metadata_are_what_llama_cpp_reads(exported):
+    hybrid, _, path = exported
+    c = hybrid.config
+    r = gguf.GGUFReader(str(path))
+    got = {t.name: t.shape.tolist() for t in r.tensors}
+    assert got == expected_tensors(4, {0, 1, 2}, c.hidden_size, 96, 4, 2, 16, 4, c.vocab_size)
+    assert all(k in r.fields for k in REQUIRED_KEYS)
+    assert _field(r, "general.architecture") == "qwen35"
+    assert _field(r, "qwen35.attention.recurrent_layers") == [True, True, True, False]
+    assert _field(r, "qwen35.full_attention_interval") == 4
+    assert _field(r, "qwen35.rope.dimension_count") == 16  # full rotary, not the converter's 0.25 default
+    assert sum(_field(r, "qwen35.rope.dimension_sections")) == 8
+    # the transforms llama.cpp's converter applies: A = -exp(A_log); norms as the multiplier itself
+    tensors = {t.name: np.asarray(t.data) for t in r.tensors}
+    m = hybrid.gdn_mixers[0]
+    assert np.allclose(tensors["blk.0.ssm_a"], -m.A_log.exp().detach().numpy())
+    assert np.allclose(tensors["blk.0.ssm_norm.weight"], m.o_norm.weight.detach().numpy())
+    assert np.allclose(tensors["blk.3.attn_q_norm.weight"],
+                       hybrid.model.layers[3].self_attn.q_norm.weight.detach().numpy(), atol=1e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="pip install llama-cpp-python")
+@pytest.mark.parametrize("gdn_layers,short_conv", [((0, 1, 2), "random"), ((1, 3), "none"), ((1, 2, 3), "random")])
+def test_llama_cpp_runs_the_export_like_ours(tmp_path, gdn_layers, short_conv):
+    """llama.cpp's own qwen35 graph on the GGUF: logits within 1e-4 of ours (fp32 weights and, unlike llama.cpp's
+    default f16, an fp32 KV cache), greedy tokens equal; periodic and non-periodic layer patterns."""
+    import llama_cpp
+
+    hybrid, tok, path = export(tmp_path, gdn_layers, short_conv=short_conv)
+    ids = tok("the river moves slowly over quiet hills while birds call and water runs").input_ids[:20]
+    f32 = 0  # GGML_TYPE_F32
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1, type_k=f32,
+                          type_v=f32)
+    llm.eval(ids)
+    theirs = np.asarray(llm.scores[:len(ids)])
+    with torch.no_grad():
+        ours = hybrid(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+    assert np.abs(ours - theirs).max() < 1e-4
+    llm.reset()
+    out = llm.generate(ids[:8], temp=0.0)
+    theirs_greedy = [next(out) for _ in range(6)]
+    ours_greedy = hybrid.generate(torch.tensor([ids[:8]]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, 8:]
+    assert theirs_greedy == ours_greedy.tolist()
