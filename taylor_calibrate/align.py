@@ -528,7 +528,7 @@ def align_attention(attns: dict[int, RopedAttention], inputs: dict[int, Tensor],
             p.requires_grad_(False)
         for p in trained:
             p.requires_grad_(True)
-        opt = torch.optim.AdamW(groups, weight_decay=args.weight_decay, betas=(0.9, args.adam_beta2))
+        opt = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
         best = before = rel_mse(m, x[:n_eval], y[:n_eval], batch)
         best_state, best_step = [p.detach().clone() for p in trained], 0
         for step in range(1, args.steps + 1):
