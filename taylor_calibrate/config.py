@@ -475,6 +475,10 @@ class TrainArgs:
     """Weight of the forward KL(teacher || student) on the logits, per token."""
     temperature: float = 1.0
     """Softmax temperature of the KL term (scaled back by T^2)."""
+    kl_chunk: int = 4096
+    """Tokens per chunk of the KL term: fp32 softmaxes and the gradient are computed one chunk at a time, so memory
+    beyond the bf16 logits stays one chunk (0: the plain unchunked KL, the reference; several fp32 copies of
+    tokens x vocabulary)."""
     hidden_weight: float = 0.0
     """Weight of the hidden-state MSE (every layer's output, relative to the teacher's mean square)."""
     ce_weight: float = 0.0
@@ -502,6 +506,8 @@ class TrainArgs:
             raise ValueError(f"train option train={self.train!r} is not one of {TRAIN_MODES}")
         if self.parallel not in PARALLEL:
             raise ValueError(f"train option parallel={self.parallel!r} is not one of {PARALLEL}")
+        if self.kl_chunk < 0:
+            raise ValueError(f"train option kl_chunk={self.kl_chunk} must be >= 0 (0: unchunked)")
         for name in ("tokens", "batch_size", "micro_batch_size", "eval_every", "save_every", "log_every"):
             v = getattr(self, name)
             if v is not None and v < 1:

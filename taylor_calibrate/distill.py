@@ -13,6 +13,7 @@ pointed at by `latest` (also replaced atomically): a kill at any moment leaves t
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -121,14 +122,57 @@ def compile_layers(*models) -> None:
 
 # --- the loss ----------------------------------------------------------------------------------------------------
 def forward_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float) -> torch.Tensor:
-    """tau^2 KL(softmax(t / tau) || softmax(s / tau)), mean over tokens, in fp32. Under `--train.compile` this is
-    compiled too: the (tokens x vocab) fp32 copies, log-softmaxes and products then fuse into a few passes over the
-    bf16 logits (eager, they are a tenth of a 1.5B model's step)."""
+    """tau^2 KL(softmax(t / tau) || softmax(s / tau)), mean over tokens, in fp32: the reference `chunked_kl` is
+    tested against (`--train.kl_chunk 0`). It holds several fp32 (tokens x vocab) copies of the logits at once."""
     if tau != 1.0:
         s_logits, t_logits = s_logits.float() / tau, t_logits.float() / tau
     t_logp = F.log_softmax(t_logits.float(), -1)
     s_logp = F.log_softmax(s_logits.float(), -1)
     return F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="batchmean") * tau ** 2
+
+
+def kl_chunk(s: torch.Tensor, t: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of rows (n, V) in fp32: (sum over rows of KL(p_t || p_s), dKL/ds = (p_s - p_t) / tau)."""
+    s_logp = F.log_softmax(s.float() / tau, -1)
+    t_logp = F.log_softmax(t.float() / tau, -1)
+    t_p = t_logp.exp()
+    return (t_p * (t_logp - s_logp)).sum(), (s_logp.exp() - t_p) / tau
+
+
+class _ChunkedKL(torch.autograd.Function):
+    """forward_kl's value, `chunk` rows at a time. The gradient is computed in the forward pass chunk by chunk (its
+    closed form needs the same softmaxes) into one buffer of the logits' dtype, and the backward only scales it: no
+    recomputation, and no fp32 (tokens x vocab) tensor beyond one chunk."""
+
+    @staticmethod
+    def forward(ctx, s_logits, t_logits, tau, chunk, kernel):
+        s, t = s_logits.reshape(-1, s_logits.shape[-1]), t_logits.reshape(-1, t_logits.shape[-1])
+        n = s.shape[0]
+        grad = torch.empty_like(s) if ctx.needs_input_grad[0] else None
+        total = torch.zeros((), dtype=torch.float32, device=s.device)
+        for i in range(0, n, chunk):
+            kl, g = kernel(s[i:i + chunk], t[i:i + chunk], tau)
+            total = total + kl
+            if grad is not None:
+                grad[i:i + chunk] = g * (tau ** 2 / n)
+        ctx.grad, ctx.shape = grad, s_logits.shape
+        return total * (tau ** 2 / n)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad, ctx.grad = ctx.grad, None
+        return grad.mul_(grad_out.to(grad.dtype)).view(ctx.shape), None, None, None, None
+
+
+def chunked_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float, chunk: int = 4096,
+               kernel=kl_chunk) -> torch.Tensor:
+    """forward_kl (same value, same gradient) over `chunk` tokens at a time: memory beyond the bf16 logits is one
+    fp32 chunk. `kernel` is `kl_chunk`, or its torch.compile'd version (`--train.compile`: one fused pass per chunk).
+
+    Why not liger-kernel's losses: its logits KL is a Triton kernel (no CPU path, so no reference where tests run),
+    and its fused linear losses take the student's final hidden states and lm_head weight outside the model's
+    forward, where FSDP2 keeps the root's parameters sharded."""
+    return _ChunkedKL.apply(s_logits, t_logits, tau, chunk, kernel)
 
 
 def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs,
@@ -321,10 +365,11 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
         p.requires_grad_(n in trained)
     teacher.requires_grad_(False).eval()
     compiled = args.compile if args.compile is not None else device.type == "cuda"
-    kl_fn = forward_kl
+    kernel = torch.compile(kl_chunk) if compiled else kl_chunk
+    kl_fn = (functools.partial(chunked_kl, chunk=args.kl_chunk, kernel=kernel) if args.kl_chunk
+             else torch.compile(forward_kl) if compiled else forward_kl)
     if compiled:
         compile_layers(student, teacher)
-        kl_fn = torch.compile(forward_kl)
     model = wrap(student, ctx, args.parallel, device)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = {id(p) for p in params if p.ndim >= 2}
