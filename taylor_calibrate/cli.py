@@ -12,8 +12,9 @@ import sys
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
 from taylor_calibrate.ablate import run_ablate
-from taylor_calibrate.config import AblateArgs, ConvertArgs, DistillArgs, EvalArgs, RecoveryArgs
+from taylor_calibrate.config import AblateArgs, ConvertArgs, DistillArgs, EvalArgs, RecoveryArgs, TokenizeArgs
 from taylor_calibrate.convert import run_convert, run_eval
+from taylor_calibrate.data import run_tokenize
 from taylor_calibrate.distill import run_distill
 from taylor_calibrate.recovery import run_recovery
 
@@ -21,6 +22,7 @@ COMMANDS = {
     "convert": (ConvertArgs, run_convert),
     "eval": (EvalArgs, run_eval),
     "ablate": (AblateArgs, run_ablate),
+    "tokenize": (TokenizeArgs, run_tokenize),
     "distill": (DistillArgs, run_distill),
     "recovery": (RecoveryArgs, run_recovery),
 }

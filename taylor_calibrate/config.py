@@ -560,6 +560,17 @@ class DistillArgs:
 
 
 @dataclass
+class TokenizeArgs:
+    """`taylor-calibrate tokenize`: write a corpus once as memory-mapped token shards for `distill` / `recovery`."""
+
+    model: str = "smollm2-135m"
+    """Whose tokenizer: a teacher spec (HF directory, hub id, .gguf, "smollm2-135m") or a hybrid directory."""
+    data: CorpusSpec = field(default_factory=CorpusSpec)
+    out: str = "out/tokens"
+    """Output directory (calib.bin, heldout.bin, tokens.json); pass it as --data.source to distill / recovery."""
+
+
+@dataclass
 class RecoveryArgs(PipelineArgs):
     """`taylor-calibrate recovery`: tokens-to-matched-recovery of each init on each policy (METHOD.md section 5)."""
 

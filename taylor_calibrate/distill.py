@@ -4,7 +4,8 @@
          + hidden_weight * sum_l |h_l - h_l^T|^2 / |h_l^T|^2  every layer's output (optional)
          + ce_weight * CE(student, next token)                (optional)
 
-Data order is a function of the step alone (seeded permutations of the training rows, `align.batch_indices`),
+Training data are fixed-length windows of the token shards (`data.write_tokens`: tokenised once, memory-mapped, so
+memory does not grow with the budget); the windows of a step are a function of the step alone (`data.step_windows`),
 and the optimizer step uses the same global batch whatever the number of processes, so a resumed run, a 1-process
 run and a `torchrun --nproc_per_node K` run follow the same loss curve. Under torchrun the student is wrapped in
 DDP or FSDP2 (`fully_shard` per decoder layer); checkpoints hold full (gathered) state dicts of the trained
@@ -30,9 +31,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from taylor_calibrate.align import Clock, autocast, batch_indices, lr_factor
+from taylor_calibrate.align import Clock, autocast, lr_factor
 from taylor_calibrate.config import (DistillArgs, TrainArgs, apply_profile, apply_train_profile)
-from taylor_calibrate.data import load_splits
+from taylor_calibrate.data import TokenWindows, distill_data, step_windows
 from taylor_calibrate.export import REPORT, load_model, write_json
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
@@ -334,9 +335,11 @@ def flops_per_token(student, teacher, trained: set[str]) -> float:
     return 2 * (matmul_params(teacher) + lm) + 4 * (n_s + lm) + 2 * matmul_params(student, trained)
 
 
-def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: TrainArgs, out: str | Path, *,
-            resume: bool = True, eval_batch_size: int = 4, ctx: Dist | None = None, desc: str = "distill") -> dict:
-    """Train `student` toward `teacher` for `args.tokens` tokens of `rows` (N, T); returns the run's report.
+def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.Tensor, args: TrainArgs,
+            out: str | Path, *, resume: bool = True, eval_batch_size: int = 4, ctx: Dist | None = None,
+            desc: str = "distill") -> dict:
+    """Train `student` toward `teacher` for `args.tokens` tokens of `rows` (N windows of T tokens: token shards, or
+    an (N, T) tensor); returns the run's report.
 
     `student` holds fp32 master weights; on CUDA the forward runs under bf16 autocast. Evaluations at step 0,
     every `eval_every` steps and at the end go to metrics.jsonl with the tokens seen so far."""
@@ -356,7 +359,6 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
     tokens_per_step = args.batch_size * seq
     steps = max(1, math.ceil(args.tokens / tokens_per_step))
     eval_every = args.eval_every or max(1, steps // 8)
-    order = batch_indices(n_rows, args.batch_size, steps, args.seed)  # (steps, batch): the same on every process
     heldout = heldout[: heldout.shape[0] - heldout.shape[0] % ctx.world] if ctx.world > 1 else heldout
 
     names = trainable_names(student, args.train)
@@ -415,7 +417,7 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
         factor = lr_factor(step, sched)
         for g in opt.param_groups:
             g["lr"] = args.lr * factor
-        mine = order[step - 1][ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
+        mine = step_windows(n_rows, args.batch_size, step, args.seed, ctx.rank, ctx.world)  # (per_rank,)
         sums = {}
         for j in range(accum):
             ids = rows[mine[j * micro:(j + 1) * micro]].to(device, non_blocking=True)
@@ -490,18 +492,18 @@ def run_distill(args: DistillArgs) -> dict:
     teacher = load_teacher(teacher_spec, device, dtype).model
     if tokenizer is None:
         raise FileNotFoundError(f"{args.student} has no tokenizer files; save one beside the model")
-    d = args.data
-    rows_needed = math.ceil(args.train.tokens / d.seq_len)
-    splits = load_splits(d, tokenizer, d.seq_len, 1, d.eval_seqs, train_seqs=rows_needed)
-    report = distill(student, teacher, splits.train, splits.heldout, args.train, args.out, resume=args.resume,
-                     eval_batch_size=args.eval_batch_size, ctx=ctx)
     out = Path(args.out)
+    train_rows, heldout = distill_data(args.data, tokenizer, out / "tokens", args.train.tokens, main=ctx.main,
+                                       barrier=dist.barrier if ctx.world > 1 else None)
+    report = distill(student, teacher, train_rows, heldout, args.train, args.out, resume=args.resume,
+                     eval_batch_size=args.eval_batch_size, ctx=ctx)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     full = get_model_state_dict(student, options=_state_options(cpu_offload=ctx.world > 1))
     if ctx.main:
         student.save_pretrained(out / "model", state_dict=full, safe_serialization=True)
         tokenizer.save_pretrained(out / "model")
-        report.update(student=args.student, teacher=teacher_spec, train_rows=int(splits.train.shape[0]),
+        report.update(student=args.student, teacher=teacher_spec, train_rows=len(train_rows),
+                      tokens_dir=str(train_rows.root),
                       profile=profile, backend=backend, device=str(device), wall_s=time.perf_counter() - t0,
                       args=asdict(args))
         write_json(out / REPORT, report)
