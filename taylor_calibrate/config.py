@@ -583,8 +583,22 @@ class RecoveryArgs(PipelineArgs):
     """More "<policy>:<init>" runs (the reference's init on one policy)."""
     train: TrainArgs = field(default_factory=TrainArgs)
     niah: bool = True
-    """Needle-in-a-haystack retrieval at the start and end of each run."""
+    """Needle-in-a-haystack retrieval along each run (`niah_points` times) and of the teacher."""
+    niah_tasks: list[str] = field(default_factory=lambda: list(NIAH_TASKS))
     niah_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
     niah_samples: int = 4
+    niah_points: int = 2
+    """Score NIAH at this many points of each run, evenly spaced in steps, start and end included (>= 2)."""
+    time_limit_s: float | None = None
+    """Stop cleanly after about this many seconds (the run in progress checkpoints; finished runs and the partial
+    recovery.json stay); the same command continues. For time-limited jobs; None: no limit."""
     command: str | None = None
     """The command line to record in the results."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        bad = [t for t in self.niah_tasks if t not in NIAH_TASKS]
+        if bad:
+            raise ValueError(f"niah_tasks {bad} unknown; choose from {list(NIAH_TASKS)}")
+        if self.niah_points < 2:
+            raise ValueError(f"niah_points={self.niah_points} must be >= 2 (start and end)")

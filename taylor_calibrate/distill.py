@@ -337,9 +337,13 @@ def flops_per_token(student, teacher, trained: set[str]) -> float:
 
 def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.Tensor, args: TrainArgs,
             out: str | Path, *, resume: bool = True, eval_batch_size: int = 4, ctx: Dist | None = None,
-            desc: str = "distill") -> dict:
+            desc: str = "distill", on_step=None, deadline: float | None = None) -> dict:
     """Train `student` toward `teacher` for `args.tokens` tokens of `rows` (N windows of T tokens: token shards, or
     an (N, T) tensor); returns the run's report.
+
+    `on_step(step, model)` runs (untimed) at step 0 and after every optimizer step (`recovery` scores NIAH there).
+    Past `deadline` (time.monotonic()) the run checkpoints and returns early, its report marked "stopped_at": the
+    same call later resumes it, so a long run fits in a series of time-limited jobs.
 
     `student` holds fp32 master weights; on CUDA the forward runs under bf16 autocast. Evaluations at step 0,
     every `eval_every` steps and at the end go to metrics.jsonl with the tokens seen so far."""
@@ -409,10 +413,12 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
 
     if start == 0:
         evaluate(0)
+        if on_step is not None:
+            on_step(0, model)
     model.train()
     bar = tqdm(range(start + 1, steps + 1), desc=desc, disable=not ctx.main, unit="step", leave=False)
     clock = Clock(device)
-    last = {}
+    last, stop = {}, False
     for step in bar:
         factor = lr_factor(step, sched)
         for g in opt.param_groups:
@@ -453,13 +459,21 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         if step % eval_every == 0 or step == steps:
             with clock.paused():
                 evaluate(step)
-        if step % args.save_every == 0 or step == steps:
+        if on_step is not None:
+            with clock.paused():
+                on_step(step, model)
+        stop = deadline is not None and step < steps and (  # every process stops at the same step
+            time.monotonic() > deadline if ctx.world == 1 else _all_sum([time.monotonic() > deadline], ctx, device)[0])
+        if step % args.save_every == 0 or step == steps or stop:
             with clock.paused():
                 save_checkpoint(out, step, model, opt, ctx, extra)
+        if stop:
+            log.info("%s: past the deadline at step %d of %d: checkpointed; run again to continue", desc, step, steps)
+            break
 
     records = metrics.read() if ctx.main else []
     evals = [r for r in records if "heldout_loss" in r]
-    tps = clock.rate((steps - start - 1) * tokens_per_step)
+    tps = clock.rate(((step if stop else steps) - start - 1) * tokens_per_step)
     report = {
         "steps": steps, "tokens": steps * tokens_per_step, "tokens_per_step": tokens_per_step, "seq_len": seq,
         "processes": ctx.world, "parallel": args.parallel if ctx.world > 1 else None, "trained": args.train,
@@ -469,6 +483,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         "flops_per_token": fpt, "mfu": tps * fpt / (peak * 1e12) / ctx.world if tps and peak else None,
         "resumed_from": start or None,
     }
+    if stop:
+        report["stopped_at"] = step
     return report
 
 
