@@ -132,12 +132,13 @@ def forward_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float) -> to
     return F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="batchmean") * tau ** 2
 
 
-def kl_chunk(s: torch.Tensor, t: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of rows (n, V) in fp32: (sum over rows of KL(p_t || p_s), dKL/ds = (p_s - p_t) / tau)."""
+def kl_chunk(s: torch.Tensor, t: torch.Tensor, tau: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of rows (n, V), in fp32 inside: (sum over rows of KL(p_t || p_s), scale * dKL/ds in s's dtype), where
+    dKL/ds = (p_s - p_t) / tau."""
     s_logp = F.log_softmax(s.float() / tau, -1)
     t_logp = F.log_softmax(t.float() / tau, -1)
     t_p = t_logp.exp()
-    return (t_p * (t_logp - s_logp)).sum(), (s_logp.exp() - t_p) / tau
+    return (t_p * (t_logp - s_logp)).sum(), ((s_logp.exp() - t_p) * (scale / tau)).to(s.dtype)
 
 
 class _ChunkedKL(torch.autograd.Function):
@@ -152,10 +153,10 @@ class _ChunkedKL(torch.autograd.Function):
         grad = torch.empty_like(s) if ctx.needs_input_grad[0] else None
         total = torch.zeros((), dtype=torch.float32, device=s.device)
         for i in range(0, n, chunk):
-            kl, g = kernel(s[i:i + chunk], t[i:i + chunk], tau)
+            kl, g = kernel(s[i:i + chunk], t[i:i + chunk], tau, tau ** 2 / n)
             total = total + kl
             if grad is not None:
-                grad[i:i + chunk] = g * (tau ** 2 / n)
+                grad[i:i + chunk] = g
         ctx.grad, ctx.shape = grad, s_logits.shape
         return total * (tau ** 2 / n)
 
