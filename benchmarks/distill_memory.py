@@ -105,6 +105,7 @@ def main():
     ap.add_argument("--work", default=None, help="working directory (default: a temporary one)")
     ap.add_argument("--out", default=None, help="results JSON (a .md table is written beside it)")
     a = ap.parse_args()
+    prov = provenance(vars(a))  # the tree as it was when the measurement started
     budgets = [int(float(b)) for b in a.budgets.split(",")]
     work = Path(a.work or tempfile.mkdtemp(prefix="distill_memory_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -120,7 +121,7 @@ def main():
         r["vs_first"] = r["peak_rss_mb"] / base
     res = {"what": "peak RSS of distill (tiny random hybrid, real tokenizer, CPU) once it has logged "
                    f"{a.steps} steps, by --train.tokens", "corpus": a.corpus, "corpus_tokens": meta["tokens"],
-           "tokenize_s": time.perf_counter() - t0, "rows": rows, **provenance(vars(a))}
+           "tokenize_s": time.perf_counter() - t0, "rows": rows, **prov}
     table = ["| budget (tokens) | steps logged | peak RSS MB | / first |", "|---|---|---|---|"]
     table += [f"| {r['budget_tokens']:,} | {r['steps_logged']} | {r['peak_rss_mb']:.0f} | {r['vs_first']:.3f} |"
               for r in rows]

@@ -62,7 +62,6 @@ class CorpusSpec:
 class TokenSplits:
     calib: torch.Tensor  # (calib_seqs, seq_len) int64, from calibration documents only
     heldout: torch.Tensor  # (heldout_seqs, seq_len) int64, from held-out documents only
-    train: torch.Tensor | None = None  # (<= train_seqs, seq_len) int64, from calibration documents only
 
 
 # ----------------------------------------------------------------------------- loading
@@ -305,15 +304,13 @@ def pack_tokens(
     add_eos: bool = True,
     *,
     source: str = "corpus",
-    at_most: bool = False,
 ) -> torch.Tensor:
     """Tokenise docs in the given order, concatenate, cut into num_seqs rows of seq_len tokens.
 
     Rows are consecutive, non-overlapping windows of one token stream, so a row may span the end
     of one document (marked by eos, when the tokenizer has one) and the start of the next.
     Tokenisation stops as soon as enough tokens are collected: big corpora cost nothing extra.
-    Returns a (num_seqs, seq_len) int64 tensor; with at_most=True, as many whole rows as the corpus gives (up to
-    num_seqs) instead of an error when it is short.
+    Returns a (num_seqs, seq_len) int64 tensor.
     """
     if seq_len < 1 or num_seqs < 1:
         raise ValueError(f"seq_len and num_seqs must be >= 1, got seq_len={seq_len}, num_seqs={num_seqs}")
@@ -331,9 +328,6 @@ def pack_tokens(
             break
     if not tokens:
         raise ValueError(f"corpus {source!r} is empty: its {len(docs)} documents give no tokens")
-    if at_most and len(tokens) >= seq_len:
-        num_seqs = min(num_seqs, len(tokens) // seq_len)
-        need = seq_len * num_seqs
     if len(tokens) < need:
         raise ValueError(
             f"corpus {source!r} gives only {len(tokens)} tokens, need {num_seqs}*{seq_len}={need}; "
@@ -342,30 +336,15 @@ def pack_tokens(
     return torch.tensor(tokens[:need], dtype=torch.long).view(num_seqs, seq_len)
 
 
-def load_splits(spec: CorpusSpec, tokenizer, seq_len: int, calib_seqs: int, heldout_seqs: int,
-                train_seqs: int = 0) -> TokenSplits:
-    """Calibration and held-out token rows from disjoint documents of one corpus; with train_seqs > 0 also up to
-    that many training rows (distillation) from the calibration documents, which a small corpus may cut short:
-    training cycles through them."""
+def load_splits(spec: CorpusSpec, tokenizer, seq_len: int, calib_seqs: int, heldout_seqs: int) -> TokenSplits:
+    """Calibration and held-out token rows from disjoint documents of one corpus (distillation's many training
+    rows come from token shards instead: `write_tokens`)."""
     docs = load_documents(spec)
     calib_docs, heldout_docs = split_documents(docs, spec.heldout_fraction, source=spec.source)
     name = spec.source
-    train = None
-    if train_seqs > 0:
-        train = pack_tokens(calib_docs, tokenizer, seq_len, train_seqs, source=f"{name} (calibration split)",
-                            at_most=True)
-        if train.shape[0] < train_seqs:
-            log.warning("corpus %r gives %d training rows of %d tokens, fewer than the %d the budget covers: "
-                        "training repeats them (%.1f epochs)", name, train.shape[0], seq_len, train_seqs,
-                        train_seqs / train.shape[0])
-    if train is not None and train.shape[0] >= calib_seqs:  # the same token stream: reuse its first rows
-        calib = train[:calib_seqs].clone()
-    else:
-        calib = pack_tokens(calib_docs, tokenizer, seq_len, calib_seqs, source=f"{name} (calibration split)")
     return TokenSplits(
-        calib=calib,
+        calib=pack_tokens(calib_docs, tokenizer, seq_len, calib_seqs, source=f"{name} (calibration split)"),
         heldout=pack_tokens(heldout_docs, tokenizer, seq_len, heldout_seqs, source=f"{name} (held-out split)"),
-        train=train,
     )
 
 
