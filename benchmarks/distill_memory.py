@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 from provenance import provenance
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from taylor_calibrate.config import GDNConfig
 from taylor_calibrate.export import save_hybrid, write_json
 from taylor_calibrate.model.hybrid import convert_teacher
-from taylor_calibrate.teacher import _locate
+from taylor_calibrate.teacher import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,8 +52,7 @@ def env() -> dict:
 
 def build(work: Path, tokenizer_spec: str) -> Path:
     """A tiny random llama (2 of 4 layers converted) with the real tokenizer, saved as teacher and hybrid."""
-    where, kw = _locate(tokenizer_spec)
-    tok = AutoTokenizer.from_pretrained(where, **kw)
+    tok = load_tokenizer(tokenizer_spec)
     cfg = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                max_position_embeddings=1024, tie_word_embeddings=True)

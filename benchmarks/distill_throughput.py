@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from perf import build_teacher, free, mb
+from perf import build_teacher, free, mb, profiled
 from provenance import provenance
 
 from taylor_calibrate.config import GDNConfig, TrainArgs
@@ -85,6 +85,8 @@ def main():
     ap.add_argument("--compile", default="auto", choices=("auto", "true", "false"))
     ap.add_argument("--backend", default="auto", help="GDN kernels: auto, torch, fla")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--profile", action="store_true",
+                    help="then 3 more steps of the first shape's last configuration under torch.profiler (top kernels)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check of the script)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -107,6 +109,11 @@ def main():
                                                               f"Command: `{res['command']}` at {res['commit']}\n")
     print(json.dumps(res, indent=1))
     print(table(res["rows"]))
+    if a.profile:
+        shape = a.shapes.split(",")[0]
+        a.steps = 3
+        with profiled(device):
+            run(shape, min(micro.get(shape, [a.batch_size])[-1], a.batch_size), a.kl_chunk, a, device)
 
 
 if __name__ == "__main__":

@@ -554,13 +554,9 @@ def distill_data(spec, tokenizer, default_dir: Path, budget: int, *, main: bool 
 def run_tokenize(args) -> dict:
     """Tokenise a corpus once into memory-mapped token shards (calibration / held-out documents) for `distill` and
     `recovery`; pass the directory as their --data.source."""
-    from transformers import AutoTokenizer
+    from taylor_calibrate.teacher import load_tokenizer
 
-    from taylor_calibrate.teacher import _locate
-
-    where, kw = _locate(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(where, **kw)
-    out = write_tokens(args.data, tokenizer, args.out)
+    out = write_tokens(args.data, load_tokenizer(args.model), args.out)
     meta = json.loads((out / TOKENS_META).read_text())
     print(f"token shards {out}: {meta['tokens']['calib']:,} calibration / {meta['tokens']['heldout']:,} held-out "
           f"tokens from {meta['documents']['calib']:,} / {meta['documents']['heldout']:,} documents of {args.data.source}")
