@@ -147,7 +147,8 @@ def plot_curves(result: dict, path: Path) -> None:
         ax.set_xlabel("distillation tokens (M)")
         ax.set_ylabel("accuracy")
         ax.set_ylim(-0.05, 1.05)
-        ax.legend(fontsize=7)
+        if ax.lines:  # a policy none of whose runs has finished yet has nothing to label
+            ax.legend(fontsize=7)
     for ax, policy in zip(axes[0], policies):
         for init, run in result["policies"][policy].items():
             if isinstance(run, dict) and "tokens" in run:
