@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 # deliberately odd code, idlelib is an application, config-* and _sysconfigdata* describe the build.
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # written by save_to_disk
-_PYSRC_MAX_BYTES = 1_000_000  # pysrc skips larger .py files: generated tables, not code
+_PYSRC_MAX_BYTES = 1_000_000  # pysrc skips larger files: generated tables, not code
+_PYSRC_SUFFIXES = {".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".cuh"}
 _CHUNK_CHARS = 2000  # a single text file is cut into documents of about this many characters
 
 
@@ -47,8 +48,8 @@ class CorpusSpec:
     """Where the text comes from and how much of it is held out."""
 
     source: str = "builtin"
-    """"builtin" (Python stdlib source), "pysrc" (the stdlib and every installed package's Python source: hundreds of
-    MB of code, for long distillation runs offline), a directory of token shards (`taylor-calibrate tokenize`), a text file, a directory of text files, a .jsonl file,
+    """"builtin" (Python stdlib source), "pysrc" (the stdlib and the source files every installed package ships:
+    hundreds of MB of code, for long distillation runs offline), a directory of token shards (`taylor-calibrate tokenize`), a text file, a directory of text files, a .jsonl file,
     a directory written by `datasets.Dataset.save_to_disk`, or "hf:<name>[:<config>]" (needs network)."""
     text_field: str = "text"
     """Field holding the text in .jsonl records and `datasets` rows."""
@@ -135,9 +136,10 @@ def _stdlib_documents() -> list[tuple[str, str]]:
 
 
 def _pysrc_documents() -> list[tuple[str, str]]:
-    """builtin's documents ("stdlib/<path>") and every .py file of the installed packages ("site/<path>", from each
-    site-packages directory in sysconfig / site order; a path seen twice is kept once). Files over
-    _PYSRC_MAX_BYTES (generated tables) are skipped. The file set is that of the environment that runs the toolkit."""
+    """builtin's documents ("stdlib/<path>") and every source file of the installed packages ("site/<path>": Python,
+    stubs and the C / C++ / CUDA sources and headers they ship, from each site-packages directory in sysconfig / site
+    order; a path seen twice is kept once). Files over _PYSRC_MAX_BYTES (generated tables) are skipped. The file set
+    is that of the environment that runs the toolkit."""
     import site
 
     docs = [(f"stdlib/{rel}", text) for rel, text in _stdlib_documents()]
@@ -146,7 +148,7 @@ def _pysrc_documents() -> list[tuple[str, str]]:
         if Path(r).is_dir() and Path(r).resolve() not in {x.resolve() for x in roots}:
             roots.append(Path(r))
     for root in roots:
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted(p for p in root.rglob("*") if p.suffix in _PYSRC_SUFFIXES and p.is_file()):
             rel = path.relative_to(root).as_posix()
             if rel in seen or "__pycache__" in rel or path.stat().st_size > _PYSRC_MAX_BYTES:
                 continue

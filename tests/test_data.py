@@ -342,5 +342,7 @@ def test_pysrc_corpus_is_stdlib_and_site_packages():
     ids = [d for d, _ in docs]
     assert len(ids) == len(set(ids))
     assert "stdlib/os.py" in ids and "site/torch/__init__.py" in ids and "site/numpy/__init__.py" in ids
-    assert len(ids) > 5000 and all(i.endswith(".py") for i in ids)
+    assert len(ids) > 5000 and all(i.endswith((".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".cuh"))
+                                   for i in ids)
+    assert any(i.startswith("site/torch/include/") and i.endswith(".h") for i in ids)  # C++ headers count too
     assert load_documents(CorpusSpec(source="pysrc"))[:50] == docs[:50]  # deterministic
