@@ -346,3 +346,27 @@ def test_pysrc_corpus_is_stdlib_and_site_packages():
                                    for i in ids)
     assert any(i.startswith("site/torch/include/") and i.endswith(".h") for i in ids)  # C++ headers count too
     assert load_documents(CorpusSpec(source="pysrc"))[:50] == docs[:50]  # deterministic
+
+
+def test_distill_data_reads_a_token_directory_or_writes_one(tmp_path, caplog):
+    """distill's data: --data.source naming a token directory is read as is (checked against the model's
+    tokenizer); any other source is tokenised once into the default directory. A budget beyond the corpus warns."""
+    from taylor_calibrate.config import DataArgs
+    from taylor_calibrate.data import distill_data, write_tokens
+
+    (tmp_path / "c").mkdir()
+    for doc_id, text in word_docs(40):
+        (tmp_path / "c" / doc_id).write_text(text)
+    tok = word_tokenizer()
+    train, heldout = distill_data(DataArgs(source=str(tmp_path / "c"), seq_len=8, eval_seqs=3), tok,
+                                  tmp_path / "default", budget=100)
+    assert train.root == tmp_path / "default" and heldout.shape == (3, 8)
+    shards = write_tokens(CorpusSpec(source=str(tmp_path / "c")), tok, tmp_path / "shards")
+    with caplog.at_level("WARNING"):
+        train2, heldout2 = distill_data(DataArgs(source=str(shards), seq_len=8, eval_seqs=3), tok,
+                                        tmp_path / "unused", budget=10 ** 6)
+    assert train2.root == shards and not (tmp_path / "unused").exists()
+    assert torch.equal(train2.first(5), train.first(5)) and torch.equal(heldout2, heldout)
+    assert "training repeats them" in caplog.text
+    with pytest.raises(ValueError, match="another tokenizer than the model's"):
+        distill_data(DataArgs(source=str(shards), seq_len=8, eval_seqs=3), byte_tokenizer(), tmp_path / "x", 100)
