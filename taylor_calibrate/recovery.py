@@ -212,7 +212,7 @@ def _mean_at(scores: dict | None, n: int) -> float:
 
 
 def run_recovery(args: RecoveryArgs) -> dict:
-    """Distil every policy x init from the same budget; curves, tokens-to-match table, NIAH at start and end."""
+    """Distil every policy x init on the same data and budget; curves, tokens-to-match table, NIAH along each run."""
     t0 = time.perf_counter()
     deadline = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
     runs = parse_runs(args)
