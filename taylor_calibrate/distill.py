@@ -5,7 +5,8 @@
          + ce_weight * CE(student, next token)                (optional)
 
 The KL runs over chunks of tokens (`chunked_kl`: fp32 softmaxes of one chunk at a time, its gradient formed in the
-same pass), so the bf16 logits are the only (tokens x vocabulary) tensors; `forward_kl` is its plain reference.
+same pass), so the bf16 logits and their gradient are the only (tokens x vocabulary) tensors; `forward_kl` is its
+plain reference.
 Training data are fixed-length windows of the token shards (`data.write_tokens`: tokenised once, memory-mapped, so
 memory does not grow with the budget); the windows of a step are a function of the step alone (`data.step_windows`),
 and the optimizer step uses the same global batch whatever the number of processes, so a resumed run, a 1-process
