@@ -49,7 +49,8 @@ class CorpusSpec:
 
     source: str = "builtin"
     """"builtin" (Python stdlib source), "pysrc" (the stdlib and the source files every installed package ships:
-    hundreds of MB of code, for long distillation runs offline), a directory of token shards (`taylor-calibrate tokenize`), a text file, a directory of text files, a .jsonl file,
+    hundreds of MB of code, for long distillation runs offline), a directory of token shards (`taylor-calibrate
+    tokenize`), a text file, a directory of text files, a .jsonl file,
     a directory written by `datasets.Dataset.save_to_disk`, or "hf:<name>[:<config>]" (needs network)."""
     text_field: str = "text"
     """Field holding the text in .jsonl records and `datasets` rows."""
@@ -560,6 +561,7 @@ def run_tokenize(args) -> dict:
 
     out = write_tokens(args.data, load_tokenizer(args.model), args.out)
     meta = json.loads((out / TOKENS_META).read_text())
-    print(f"token shards {out}: {meta['tokens']['calib']:,} calibration / {meta['tokens']['heldout']:,} held-out "
-          f"tokens from {meta['documents']['calib']:,} / {meta['documents']['heldout']:,} documents of {args.data.source}")
+    tokens, docs = meta["tokens"], meta["documents"]
+    print(f"token shards {out}: {tokens['calib']:,} calibration / {tokens['heldout']:,} held-out tokens from "
+          f"{docs['calib']:,} / {docs['heldout']:,} documents of {args.data.source}")
     return meta

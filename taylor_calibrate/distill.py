@@ -203,7 +203,7 @@ def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs,
 
 
 @torch.no_grad()
-def heldout_eval(model, teacher, rows: torch.Tensor, batch_size: int, ctx: Dist, device) -> dict:
+def heldout_eval(model, teacher, rows: torch.Tensor, batch_size: int, ctx: Dist, device, chunk: int = 4096) -> dict:
     """Student next-token loss (and KL to the teacher) on held-out rows, sharded over processes and summed."""
     was = model.training
     model.eval()
@@ -212,12 +212,14 @@ def heldout_eval(model, teacher, rows: torch.Tensor, batch_size: int, ctx: Dist,
     for i in range(0, mine.shape[0], batch_size):
         ids = mine[i:i + batch_size].to(device)
         with autocast(device):
-            s = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-            t = teacher(input_ids=ids, use_cache=False).logits[:, :-1].float()
-        s_logp, t_logp = F.log_softmax(s, -1), F.log_softmax(t, -1)
-        nll += F.nll_loss(s_logp.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
-        kl += F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="sum").item()
-        n += ids[:, 1:].numel()
+            s = model(input_ids=ids, use_cache=False).logits[:, :-1]
+            t = teacher(input_ids=ids, use_cache=False).logits[:, :-1]
+        s, t, y = s.reshape(-1, s.shape[-1]), t.reshape(-1, t.shape[-1]), ids[:, 1:].reshape(-1)
+        for j in range(0, y.numel(), chunk):  # fp32 one chunk of tokens at a time, as chunked_kl
+            s_logp, t_logp = F.log_softmax(s[j:j + chunk].float(), -1), F.log_softmax(t[j:j + chunk].float(), -1)
+            nll += F.nll_loss(s_logp, y[j:j + chunk], reduction="sum").item()
+            kl += F.kl_div(s_logp, t_logp, log_target=True, reduction="sum").item()
+        n += y.numel()
     nll, kl, n = _all_sum([nll, kl, n], ctx, device)
     model.train(was)
     loss = nll / n
