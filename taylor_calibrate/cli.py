@@ -12,8 +12,10 @@ import sys
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
 from taylor_calibrate.ablate import run_ablate
-from taylor_calibrate.config import AblateArgs, ConvertArgs, DistillArgs, EvalArgs, ExportArgs, RecoveryArgs
+from taylor_calibrate.config import (AblateArgs, ConvertArgs, DistillArgs, EvalArgs, ExportArgs, RecoveryArgs,
+                                     TokenizeArgs)
 from taylor_calibrate.convert import run_convert
+from taylor_calibrate.data import run_tokenize
 from taylor_calibrate.distill import run_distill
 from taylor_calibrate.evaluate import run_eval
 from taylor_calibrate.qwen3_5 import run_export
@@ -23,6 +25,7 @@ COMMANDS = {
     "convert": (ConvertArgs, run_convert),
     "eval": (EvalArgs, run_eval),
     "ablate": (AblateArgs, run_ablate),
+    "tokenize": (TokenizeArgs, run_tokenize),
     "distill": (DistillArgs, run_distill),
     "recovery": (RecoveryArgs, run_recovery),
     "export": (ExportArgs, run_export),

@@ -448,6 +448,10 @@ class TrainArgs:
     """Weight of the forward KL(teacher || student) on the logits, per token."""
     temperature: float = 1.0
     """Softmax temperature of the KL term (scaled back by T^2)."""
+    kl_chunk: int = 4096
+    """Tokens per chunk of the KL term: fp32 softmaxes and the gradient are computed one chunk at a time, so memory
+    beyond the bf16 logits stays one chunk (0: the plain unchunked KL, the reference; several fp32 copies of
+    tokens x vocabulary)."""
     hidden_weight: float = 0.0
     """Weight of the hidden-state MSE (every layer's output, relative to the teacher's mean square)."""
     ce_weight: float = 0.0
@@ -475,6 +479,8 @@ class TrainArgs:
             raise ValueError(f"train option train={self.train!r} is not one of {TRAIN_MODES}")
         if self.parallel not in PARALLEL:
             raise ValueError(f"train option parallel={self.parallel!r} is not one of {PARALLEL}")
+        if self.kl_chunk < 0:
+            raise ValueError(f"train option kl_chunk={self.kl_chunk} must be >= 0 (0: unchunked)")
         for name in ("tokens", "batch_size", "micro_batch_size", "eval_every", "save_every", "log_every"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -522,6 +528,17 @@ class DistillArgs:
 
 
 @dataclass
+class TokenizeArgs:
+    """`taylor-calibrate tokenize`: write a corpus once as memory-mapped token shards for `distill` / `recovery`."""
+
+    model: str = "smollm2-135m"
+    """Whose tokenizer: a teacher spec (HF directory, hub id, .gguf, "smollm2-135m") or a hybrid directory."""
+    data: CorpusSpec = field(default_factory=CorpusSpec)
+    out: str = "out/tokens"
+    """Output directory (calib.bin, heldout.bin, tokens.json); pass it as --data.source to distill / recovery."""
+
+
+@dataclass
 class RecoveryArgs(PipelineArgs):
     """`taylor-calibrate recovery`: tokens-to-matched-recovery of each init on each policy (docs/method.md, "Recovery
     distillation")."""
@@ -535,11 +552,25 @@ class RecoveryArgs(PipelineArgs):
     """More "<policy>:<init>" runs (the reference's init on one policy)."""
     train: TrainArgs = field(default_factory=TrainArgs)
     niah: bool = True
-    """Needle-in-a-haystack retrieval at the start and end of each run."""
+    """Needle-in-a-haystack retrieval along each run (`niah_points` times) and of the teacher."""
+    niah_tasks: list[str] = field(default_factory=lambda: list(NIAH_TASKS))
     niah_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
     niah_samples: int = 4
+    niah_points: int = 2
+    """Score NIAH at this many points of each run, evenly spaced in steps, start and end included (>= 2)."""
+    time_limit_s: float | None = None
+    """Stop cleanly after about this many seconds (the run in progress checkpoints; finished runs and the partial
+    recovery.json stay); the same command continues. For time-limited jobs; None: no limit."""
     command: str | None = None
     """The command line to record in the results."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        bad = [t for t in self.niah_tasks if t not in NIAH_TASKS]
+        if bad:
+            raise ValueError(f"niah_tasks {bad} unknown; choose from {list(NIAH_TASKS)}")
+        if self.niah_points < 2:
+            raise ValueError(f"niah_points={self.niah_points} must be >= 2 (start and end)")
 
 
 EXPORT_FORMATS = ("qwen3_5", "gguf")

@@ -10,8 +10,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from taylor_calibrate.align import RopedAttention, align_attention, align_layers
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.config import ConvertArgs, apply_profile

@@ -18,14 +18,19 @@ numbers) depends on the Python version that runs the toolkit.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import os
+import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,8 @@ log = logging.getLogger(__name__)
 # deliberately odd code, idlelib is an application, config-* and _sysconfigdata* describe the build.
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # written by save_to_disk
+_PYSRC_MAX_BYTES = 1_000_000  # pysrc skips larger files: generated tables, not code
+_PYSRC_SUFFIXES = {".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".cuh"}
 _CHUNK_CHARS = 2000  # a single text file is cut into documents of about this many characters
 
 
@@ -41,7 +48,9 @@ class CorpusSpec:
     """Where the text comes from and how much of it is held out."""
 
     source: str = "builtin"
-    """"builtin" (Python stdlib source), a text file, a directory of text files, a .jsonl file,
+    """"builtin" (Python stdlib source), "pysrc" (the stdlib and the source files every installed package ships:
+    hundreds of MB of code, for long distillation runs offline), a directory of token shards (`taylor-calibrate
+    tokenize`), a text file, a directory of text files, a .jsonl file,
     a directory written by `datasets.Dataset.save_to_disk`, or "hf:<name>[:<config>]" (needs network)."""
     text_field: str = "text"
     """Field holding the text in .jsonl records and `datasets` rows."""
@@ -55,7 +64,6 @@ class CorpusSpec:
 class TokenSplits:
     calib: torch.Tensor  # (calib_seqs, seq_len) int64, from calibration documents only
     heldout: torch.Tensor  # (heldout_seqs, seq_len) int64, from held-out documents only
-    train: torch.Tensor | None = None  # (<= train_seqs, seq_len) int64, from calibration documents only
 
 
 # ----------------------------------------------------------------------------- loading
@@ -71,15 +79,20 @@ def load_documents(spec: CorpusSpec) -> list[tuple[str, str]]:
     source = spec.source
     if source == "builtin":
         docs = _stdlib_documents()
+    elif source == "pysrc":
+        docs = _pysrc_documents()
     elif source.startswith("hf:"):
         docs = _hub_documents(source[3:], spec)
     else:
         path = Path(source).expanduser()
         if not path.exists():
             raise FileNotFoundError(
-                f"corpus source {source!r} does not exist; pass 'builtin', a text file, a directory, "
+                f"corpus source {source!r} does not exist; pass 'builtin', 'pysrc', a text file, a directory, "
                 "a .jsonl file, a datasets save_to_disk directory, or 'hf:<name>'"
             )
+        if is_token_dir(source):
+            raise ValueError(f"{source!r} holds token shards (`tokenize`), not documents: `distill` and `recovery` "
+                             "read them; other commands need the corpus itself")
         if path.is_dir() and any((path / m).exists() for m in _DATASET_MARKERS):
             docs = _saved_dataset_documents(path, spec)
         elif path.is_dir():
@@ -120,6 +133,30 @@ def _stdlib_documents() -> list[tuple[str, str]]:
         text = _read_text(path)
         if text is not None:
             docs.append((rel.as_posix(), text))
+    return docs
+
+
+def _pysrc_documents() -> list[tuple[str, str]]:
+    """builtin's documents ("stdlib/<path>") and every source file of the installed packages ("site/<path>": Python,
+    stubs and the C / C++ / CUDA sources and headers they ship, from each site-packages directory in sysconfig / site
+    order; a path seen twice is kept once). Files over _PYSRC_MAX_BYTES (generated tables) are skipped. The file set
+    is that of the environment that runs the toolkit."""
+    import site
+
+    docs = [(f"stdlib/{rel}", text) for rel, text in _stdlib_documents()]
+    seen, roots = set(), []
+    for r in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()):
+        if Path(r).is_dir() and Path(r).resolve() not in {x.resolve() for x in roots}:
+            roots.append(Path(r))
+    for root in roots:
+        for path in sorted(p for p in root.rglob("*") if p.suffix in _PYSRC_SUFFIXES and p.is_file()):
+            rel = path.relative_to(root).as_posix()
+            if rel in seen or "__pycache__" in rel or path.stat().st_size > _PYSRC_MAX_BYTES:
+                continue
+            text = _read_text(path)
+            if text is not None:
+                seen.add(rel)
+                docs.append((f"site/{rel}", text))
     return docs
 
 
@@ -270,15 +307,13 @@ def pack_tokens(
     add_eos: bool = True,
     *,
     source: str = "corpus",
-    at_most: bool = False,
 ) -> torch.Tensor:
     """Tokenise docs in the given order, concatenate, cut into num_seqs rows of seq_len tokens.
 
     Rows are consecutive, non-overlapping windows of one token stream, so a row may span the end
     of one document (marked by eos, when the tokenizer has one) and the start of the next.
     Tokenisation stops as soon as enough tokens are collected: big corpora cost nothing extra.
-    Returns a (num_seqs, seq_len) int64 tensor; with at_most=True, as many whole rows as the corpus gives (up to
-    num_seqs) instead of an error when it is short.
+    Returns a (num_seqs, seq_len) int64 tensor.
     """
     if seq_len < 1 or num_seqs < 1:
         raise ValueError(f"seq_len and num_seqs must be >= 1, got seq_len={seq_len}, num_seqs={num_seqs}")
@@ -296,9 +331,6 @@ def pack_tokens(
             break
     if not tokens:
         raise ValueError(f"corpus {source!r} is empty: its {len(docs)} documents give no tokens")
-    if at_most and len(tokens) >= seq_len:
-        num_seqs = min(num_seqs, len(tokens) // seq_len)
-        need = seq_len * num_seqs
     if len(tokens) < need:
         raise ValueError(
             f"corpus {source!r} gives only {len(tokens)} tokens, need {num_seqs}*{seq_len}={need}; "
@@ -307,28 +339,229 @@ def pack_tokens(
     return torch.tensor(tokens[:need], dtype=torch.long).view(num_seqs, seq_len)
 
 
-def load_splits(spec: CorpusSpec, tokenizer, seq_len: int, calib_seqs: int, heldout_seqs: int,
-                train_seqs: int = 0) -> TokenSplits:
-    """Calibration and held-out token rows from disjoint documents of one corpus; with train_seqs > 0 also up to
-    that many training rows (distillation) from the calibration documents, which a small corpus may cut short:
-    training cycles through them."""
+def load_splits(spec: CorpusSpec, tokenizer, seq_len: int, calib_seqs: int, heldout_seqs: int) -> TokenSplits:
+    """Calibration and held-out token rows from disjoint documents of one corpus (distillation's many training
+    rows come from token shards instead: `write_tokens`)."""
     docs = load_documents(spec)
     calib_docs, heldout_docs = split_documents(docs, spec.heldout_fraction, source=spec.source)
     name = spec.source
-    train = None
-    if train_seqs > 0:
-        train = pack_tokens(calib_docs, tokenizer, seq_len, train_seqs, source=f"{name} (calibration split)",
-                            at_most=True)
-        if train.shape[0] < train_seqs:
-            log.warning("corpus %r gives %d training rows of %d tokens, fewer than the %d the budget covers: "
-                        "training repeats them (%.1f epochs)", name, train.shape[0], seq_len, train_seqs,
-                        train_seqs / train.shape[0])
-    if train is not None and train.shape[0] >= calib_seqs:  # the same token stream: reuse its first rows
-        calib = train[:calib_seqs].clone()
-    else:
-        calib = pack_tokens(calib_docs, tokenizer, seq_len, calib_seqs, source=f"{name} (calibration split)")
     return TokenSplits(
-        calib=calib,
+        calib=pack_tokens(calib_docs, tokenizer, seq_len, calib_seqs, source=f"{name} (calibration split)"),
         heldout=pack_tokens(heldout_docs, tokenizer, seq_len, heldout_seqs, source=f"{name} (held-out split)"),
-        train=train,
     )
+
+
+# ----------------------------------------------------------------------------- token shards (distillation data)
+#
+# Distillation reads hundreds of millions of tokens: they are tokenised once, by `write_tokens` (the `tokenize`
+# command, or the first `distill` / `recovery` run), into one flat token stream per side of the document split,
+# calib.bin and heldout.bin (uint16 when the vocabulary fits, else uint32; an eos between documents, as
+# pack_tokens), beside tokens.json (the source, the split, the tokenizer's fingerprint, the token counts). Training
+# reads fixed-length windows of calib.bin through a numpy memory map: memory does not grow with the budget, and the
+# windows of a step are a pure function of (step, seed), `step_windows`.
+#
+# Why numpy memmaps and not the `datasets` library's Arrow files: a window is then one slice of one file, O(1)
+# whatever its position, shared through the page cache by every torchrun process, with nothing to import or
+# decode; Arrow stores documents as rows of varying length, so cutting fixed windows across document boundaries
+# would need a prefix-sum index over them anyway. Tokenisation gets its parallelism from the fast tokenizer's
+# batch encoding (Rust threads) instead of `num_proc` worker processes.
+
+TOKENS_META = "tokens.json"
+SIDES = ("calib", "heldout")
+_ENCODE_BATCH = 256  # documents per batch call of the tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha1 of the vocabulary, the eos id and the encoding of a probe text: equal iff the shards are valid for it."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    probe = tokenizer("def f(x):\n    return 'héllo' + x  # 123", add_special_tokens=False)["input_ids"]
+    return hashlib.sha1(json.dumps([vocab, tokenizer.eos_token_id, probe]).encode()).hexdigest()
+
+
+def is_token_dir(source: str) -> bool:
+    return Path(source).expanduser().is_dir() and (Path(source).expanduser() / TOKENS_META).exists()
+
+
+def _iter_split_documents(spec: CorpusSpec):
+    """(side, text) of every document, side by the sha1 split. Local corpora: split_documents' order (calibration
+    side first, each side in hash order), so the shards' first windows are load_splits' rows. "hf:" sources stream
+    (datasets' streaming mode: nothing downloaded ahead), in the hub's order, split by the record index."""
+    if spec.source.startswith("hf:"):
+        import datasets
+
+        repo, _, config = spec.source[3:].partition(":")
+        try:
+            rows = datasets.load_dataset(repo, config or None, split=spec.split, streaming=True)
+        except Exception as e:
+            raise ConnectionError(f"could not stream {spec.source!r} from the Hugging Face hub ({type(e).__name__}: "
+                                  f"{e}); offline, save it with datasets' save_to_disk and pass the directory") from e
+        for i, record in enumerate(rows):
+            if spec.text_field not in record:
+                raise ValueError(f"dataset {spec.source!r} has no text field {spec.text_field!r}; fields present: "
+                                 f"{sorted(record)}; pass --data.text_field")
+            yield ("heldout" if _unit_hash(str(i)) < spec.heldout_fraction else "calib"), record[spec.text_field] or ""
+        return
+    calib, heldout = split_documents(load_documents(spec), spec.heldout_fraction, source=spec.source)
+    for side, docs in (("calib", calib), ("heldout", heldout)):
+        for _, text in docs:
+            yield side, text
+
+
+def write_tokens(spec: CorpusSpec, tokenizer, out: str | Path) -> Path:
+    """Tokenise `spec`'s corpus once into `out` (see above); an existing `out` for the same corpus and tokenizer is
+    reused, one for another is an error. Written to a temporary directory and renamed: complete or absent."""
+    out = Path(out)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    want = {"source": spec.source, "text_field": spec.text_field, "split": spec.split,
+            "heldout_fraction": spec.heldout_fraction, "tokenizer": fingerprint}
+    if (out / TOKENS_META).exists():
+        meta = json.loads((out / TOKENS_META).read_text())
+        differ = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
+        if differ:
+            raise ValueError(f"token shards {out} were written for another corpus or tokenizer ({sorted(differ)} "
+                             "differ); pass another directory or delete it")
+        return out
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not a token-shard directory; pass an empty or new directory")
+    eos = tokenizer.eos_token_id
+    dtype = np.uint16 if len(tokenizer) <= 2 ** 16 else np.uint32
+    for stale in out.parent.glob(f".tmp_{out.name}_*"):  # left by a killed run
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
+    tmp.mkdir(parents=True)
+    counts, docs = dict.fromkeys(SIDES, 0), dict.fromkeys(SIDES, 0)
+    files = {side: open(tmp / f"{side}.bin", "wb") for side in SIDES}
+    pending = {side: [] for side in SIDES}
+
+    def flush(side):
+        texts, pending[side] = pending[side], []
+        if not texts:
+            return
+        stream = []
+        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            if ids:  # as pack_tokens: an empty document adds nothing, not even an eos
+                stream.extend(ids)
+                if eos is not None:
+                    stream.append(eos)
+        np.asarray(stream, dtype=dtype).tofile(files[side])
+        counts[side] += len(stream)
+
+    with tqdm(desc=f"tokenize {spec.source}", unit="doc", leave=False) as bar:
+        for side, text in _iter_split_documents(spec):
+            pending[side].append(text)
+            docs[side] += 1
+            bar.update()
+            if len(pending[side]) >= _ENCODE_BATCH:
+                flush(side)
+        for side in SIDES:
+            flush(side)
+    for f in files.values():
+        f.close()
+    if not all(counts.values()):
+        empty = [s for s in SIDES if not counts[s]]
+        raise ValueError(f"corpus {spec.source!r}: the {empty} split gives no tokens; pass a bigger corpus or another "
+                         "heldout_fraction")
+    meta = {**want, "dtype": np.dtype(dtype).name, "eos": eos, "tokens": counts, "documents": docs}
+    (tmp / TOKENS_META).write_text(json.dumps(meta, indent=1))
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
+    log.info("tokenised %s: %s tokens (calibration / held-out) -> %s", spec.source,
+             " / ".join(f"{counts[s]:,}" for s in SIDES), out)
+    return out
+
+
+class TokenWindows:
+    """Consecutive non-overlapping windows of seq_len tokens of one side's stream, read from its memory map on
+    demand: windows[idx] -> (len(idx), seq_len) int64, the rows pack_tokens would give for the same documents."""
+
+    def __init__(self, root: str | Path, side: str, seq_len: int):
+        root = Path(root)
+        meta = json.loads((root / TOKENS_META).read_text())
+        self.root, self.side, self.seq_len, self.meta = root, side, seq_len, meta
+        self.tokens = np.memmap(root / f"{side}.bin", dtype=meta["dtype"], mode="r", shape=(meta["tokens"][side],))
+        self.num = len(self.tokens) // seq_len
+        if self.num < 1:
+            raise ValueError(f"token shards {root}: the {side} side holds {len(self.tokens)} tokens, fewer than one "
+                             f"window of {seq_len}; pass a bigger corpus or a shorter --data.seq_len")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.num, self.seq_len
+
+    def __len__(self) -> int:
+        return self.num
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        idx = torch.as_tensor(idx, dtype=torch.long).reshape(-1).tolist()
+        T = self.seq_len
+        return torch.from_numpy(np.stack([self.tokens[i * T:(i + 1) * T] for i in idx]).astype(np.int64))
+
+    def first(self, n: int) -> torch.Tensor:
+        """The first n windows as one tensor (held-out evaluation rows, calibration rows)."""
+        if n > self.num:
+            raise ValueError(f"token shards {self.root}: the {self.side} side gives {self.num} windows of "
+                             f"{self.seq_len} tokens, fewer than the {n} asked; pass a bigger corpus or fewer rows")
+        return self[range(n)]
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_permutation(num: int, seed: int, epoch: int) -> torch.Tensor:
+    key = int(hashlib.sha1(f"{seed}:{epoch}".encode()).hexdigest()[:15], 16)
+    return torch.randperm(num, generator=torch.Generator().manual_seed(key))
+
+
+def step_windows(num: int, batch_size: int, step: int, seed: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """Window indices of optimizer step `step` (1-based) for process `rank` of `world`: the step's global batch is
+    the next batch_size entries of an endless sequence of seeded permutations of range(num), one per epoch, and each
+    process takes its contiguous share. A pure function of its arguments (a resumed run reads the same data; k
+    processes read the 1-process batch between them); memory O(num), whatever the number of steps."""
+    if batch_size % world:
+        raise ValueError(f"batch_size={batch_size} must be a multiple of the {world} processes")
+    per = batch_size // world
+    pos, end = (step - 1) * batch_size + rank * per, (step - 1) * batch_size + (rank + 1) * per
+    out = []
+    while pos < end:
+        epoch, off = divmod(pos, num)
+        take = min(end - pos, num - off)
+        out.append(_epoch_permutation(num, seed, epoch)[off:off + take])
+        pos += take
+    return torch.cat(out)
+
+
+def distill_data(spec, tokenizer, default_dir: Path, budget: int, *, main: bool = True,
+                 barrier=None) -> tuple[TokenWindows, torch.Tensor]:
+    """(training windows, held-out rows) for distillation: from `spec.source` when it is a token-shard directory,
+    else from shards written on first use to `default_dir` (by the main process; the others wait at `barrier`).
+    The held-out rows are the first spec.eval_seqs windows of the held-out side."""
+    root = Path(spec.source).expanduser() if is_token_dir(spec.source) else default_dir
+    if main:
+        if root is default_dir:
+            write_tokens(spec, tokenizer, root)
+        else:
+            meta = json.loads((root / TOKENS_META).read_text())
+            if meta["tokenizer"] != tokenizer_fingerprint(tokenizer):
+                raise ValueError(f"token shards {root} were written with another tokenizer than the model's; run "
+                                 "`taylor-calibrate tokenize` with this model")
+    if barrier is not None:
+        barrier()
+    train = TokenWindows(root, "calib", spec.seq_len)
+    epochs = budget / (len(train) * spec.seq_len)
+    if epochs > 1:
+        log.warning("corpus %r gives %d training windows of %d tokens (%s tokens), fewer than the budget of %s: "
+                    "training repeats them (%.1f epochs)", train.meta["source"], len(train), spec.seq_len,
+                    f"{len(train) * spec.seq_len:,}", f"{budget:,}", epochs)
+    return train, TokenWindows(root, "heldout", spec.seq_len).first(spec.eval_seqs)
+
+
+def run_tokenize(args) -> dict:
+    """Tokenise a corpus once into memory-mapped token shards (calibration / held-out documents) for `distill` and
+    `recovery`; pass the directory as their --data.source."""
+    from taylor_calibrate.teacher import load_tokenizer
+
+    out = write_tokens(args.data, load_tokenizer(args.model), args.out)
+    meta = json.loads((out / TOKENS_META).read_text())
+    tokens, docs = meta["tokens"], meta["documents"]
+    print(f"token shards {out}: {tokens['calib']:,} calibration / {tokens['heldout']:,} held-out tokens from "
+          f"{docs['calib']:,} / {docs['heldout']:,} documents of {args.data.source}")
+    return meta

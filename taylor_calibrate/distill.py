@@ -5,7 +5,11 @@
          + hidden_weight * sum_l |h_l - h_l^T|^2 / |h_l^T|^2  every layer's output (optional)
          + ce_weight * CE(student, next token)                (optional)
 
-Data order is a function of the step alone (seeded permutations of the training rows, `training.batch_indices`),
+The KL runs over chunks of tokens (`chunked_kl`: fp32 softmaxes of one chunk at a time, its gradient formed in the
+same pass), so the bf16 logits and their gradient are the only (tokens x vocabulary) tensors; `forward_kl` is its
+plain reference.
+Training data are fixed-length windows of the token shards (`data.write_tokens`: tokenised once, memory-mapped, so
+memory does not grow with the budget); the windows of a step are a function of the step alone (`data.step_windows`),
 and the optimizer step uses the same global batch whatever the number of processes, so a resumed run, a 1-process
 run and a `torchrun --nproc_per_node K` run follow the same loss curve. Under torchrun the student is wrapped in
 DDP or FSDP2 (`fully_shard` per decoder layer); checkpoints hold full (gathered) state dicts of the trained
@@ -14,6 +18,7 @@ pointed at by `latest` (also replaced atomically): a kill at any moment leaves t
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -31,11 +36,11 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from taylor_calibrate.config import (DistillArgs, TrainArgs, apply_profile, apply_train_profile)
-from taylor_calibrate.data import load_splits
+from taylor_calibrate.data import TokenWindows, distill_data, step_windows
 from taylor_calibrate.export import REPORT, load_model, write_json
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
-from taylor_calibrate.training import Clock, autocast, batch_indices, warmup_cosine
+from taylor_calibrate.training import Clock, autocast, warmup_cosine
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -122,14 +127,58 @@ def compile_layers(*models) -> None:
 
 # --- the loss ----------------------------------------------------------------------------------------------------
 def forward_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float) -> torch.Tensor:
-    """tau^2 KL(softmax(t / tau) || softmax(s / tau)), mean over tokens, in fp32. Under `--train.compile` this is
-    compiled too: the (tokens x vocab) fp32 copies, log-softmaxes and products then fuse into a few passes over the
-    bf16 logits (eager, they are a tenth of a 1.5B model's step)."""
+    """tau^2 KL(softmax(t / tau) || softmax(s / tau)), mean over tokens, in fp32: the reference `chunked_kl` is
+    tested against (`--train.kl_chunk 0`). It holds several fp32 (tokens x vocab) copies of the logits at once."""
     if tau != 1.0:
         s_logits, t_logits = s_logits.float() / tau, t_logits.float() / tau
     t_logp = F.log_softmax(t_logits.float(), -1)
     s_logp = F.log_softmax(s_logits.float(), -1)
     return F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="batchmean") * tau ** 2
+
+
+def kl_chunk(s: torch.Tensor, t: torch.Tensor, tau: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of rows (n, V), in fp32 inside: (sum over rows of KL(p_t || p_s), scale * dKL/ds in s's dtype), where
+    dKL/ds = (p_s - p_t) / tau."""
+    s_logp = F.log_softmax(s.float() / tau, -1)
+    t_logp = F.log_softmax(t.float() / tau, -1)
+    t_p = t_logp.exp()
+    return (t_p * (t_logp - s_logp)).sum(), ((s_logp.exp() - t_p) * (scale / tau)).to(s.dtype)
+
+
+class _ChunkedKL(torch.autograd.Function):
+    """forward_kl's value, `chunk` rows at a time. The gradient is computed in the forward pass chunk by chunk (its
+    closed form needs the same softmaxes) into one buffer of the logits' dtype, and the backward only scales it: no
+    recomputation, and no fp32 (tokens x vocab) tensor beyond one chunk."""
+
+    @staticmethod
+    def forward(ctx, s_logits, t_logits, tau, chunk, kernel):
+        s, t = s_logits.reshape(-1, s_logits.shape[-1]), t_logits.reshape(-1, t_logits.shape[-1])
+        n = s.shape[0]
+        grad = torch.empty_like(s) if ctx.needs_input_grad[0] else None
+        total = torch.zeros((), dtype=torch.float32, device=s.device)
+        for i in range(0, n, chunk):
+            kl, g = kernel(s[i:i + chunk], t[i:i + chunk], tau, tau ** 2 / n)
+            total = total + kl
+            if grad is not None:
+                grad[i:i + chunk] = g
+        ctx.grad, ctx.shape = grad, s_logits.shape
+        return total * (tau ** 2 / n)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad, ctx.grad = ctx.grad, None
+        return grad.mul_(grad_out.to(grad.dtype)).view(ctx.shape), None, None, None, None
+
+
+def chunked_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float, chunk: int = 4096,
+               kernel=kl_chunk) -> torch.Tensor:
+    """forward_kl (same value, same gradient) over `chunk` tokens at a time: memory beyond the bf16 logits is one
+    fp32 chunk. `kernel` is `kl_chunk`, or its torch.compile'd version (`--train.compile`: one fused pass per chunk).
+
+    Why not liger-kernel's losses: its logits KL is a Triton kernel (no CPU path, so no reference where tests run),
+    and its fused linear losses take the student's final hidden states and lm_head weight outside the model's
+    forward, where FSDP2 keeps the root's parameters sharded."""
+    return _ChunkedKL.apply(s_logits, t_logits, tau, chunk, kernel)
 
 
 def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs,
@@ -155,7 +204,7 @@ def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs,
 
 
 @torch.no_grad()
-def heldout_eval(model, teacher, rows: torch.Tensor, batch_size: int, ctx: Dist, device) -> dict:
+def heldout_eval(model, teacher, rows: torch.Tensor, batch_size: int, ctx: Dist, device, chunk: int = 4096) -> dict:
     """Student next-token loss (and KL to the teacher) on held-out rows, sharded over processes and summed."""
     was = model.training
     model.eval()
@@ -164,12 +213,14 @@ def heldout_eval(model, teacher, rows: torch.Tensor, batch_size: int, ctx: Dist,
     for i in range(0, mine.shape[0], batch_size):
         ids = mine[i:i + batch_size].to(device)
         with autocast(device):
-            s = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-            t = teacher(input_ids=ids, use_cache=False).logits[:, :-1].float()
-        s_logp, t_logp = F.log_softmax(s, -1), F.log_softmax(t, -1)
-        nll += F.nll_loss(s_logp.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
-        kl += F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="sum").item()
-        n += ids[:, 1:].numel()
+            s = model(input_ids=ids, use_cache=False).logits[:, :-1]
+            t = teacher(input_ids=ids, use_cache=False).logits[:, :-1]
+        s, t, y = s.reshape(-1, s.shape[-1]), t.reshape(-1, t.shape[-1]), ids[:, 1:].reshape(-1)
+        for j in range(0, y.numel(), chunk):  # fp32 one chunk of tokens at a time, as chunked_kl
+            s_logp, t_logp = F.log_softmax(s[j:j + chunk].float(), -1), F.log_softmax(t[j:j + chunk].float(), -1)
+            nll += F.nll_loss(s_logp, y[j:j + chunk], reduction="sum").item()
+            kl += F.kl_div(s_logp, t_logp, log_target=True, reduction="sum").item()
+        n += y.numel()
     nll, kl, n = _all_sum([nll, kl, n], ctx, device)
     model.train(was)
     loss = nll / n
@@ -284,9 +335,15 @@ def flops_per_token(student, teacher, trained: set[str]) -> float:
     return 2 * (matmul_params(teacher) + lm) + 4 * (n_s + lm) + 2 * matmul_params(student, trained)
 
 
-def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: TrainArgs, out: str | Path, *,
-            resume: bool = True, eval_batch_size: int = 4, ctx: Dist | None = None, desc: str = "distill") -> dict:
-    """Train `student` toward `teacher` for `args.tokens` tokens of `rows` (N, T); returns the run's report.
+def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.Tensor, args: TrainArgs,
+            out: str | Path, *, resume: bool = True, eval_batch_size: int = 4, ctx: Dist | None = None,
+            desc: str = "distill", on_step=None, deadline: float | None = None) -> dict:
+    """Train `student` toward `teacher` for `args.tokens` tokens of `rows` (N windows of T tokens: token shards, or
+    an (N, T) tensor); returns the run's report.
+
+    `on_step(step, model)` runs (untimed) at step 0 and after every optimizer step (`recovery` scores NIAH there).
+    Past `deadline` (time.monotonic()) the run checkpoints and returns early, its report marked "stopped_at": the
+    same call later resumes it, so a long run fits in a series of time-limited jobs.
 
     `student` holds fp32 master weights; on CUDA the forward runs under bf16 autocast. Evaluations at step 0,
     every `eval_every` steps and at the end go to metrics.jsonl with the tokens seen so far."""
@@ -306,7 +363,6 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
     tokens_per_step = args.batch_size * seq
     steps = max(1, math.ceil(args.tokens / tokens_per_step))
     eval_every = args.eval_every or max(1, steps // 8)
-    order = batch_indices(n_rows, args.batch_size, steps, args.seed)  # (steps, batch): the same on every process
     heldout = heldout[: heldout.shape[0] - heldout.shape[0] % ctx.world] if ctx.world > 1 else heldout
 
     names = trainable_names(student, args.train)
@@ -315,10 +371,11 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
         p.requires_grad_(n in trained)
     teacher.requires_grad_(False).eval()
     compiled = args.compile if args.compile is not None else device.type == "cuda"
-    kl_fn = forward_kl
+    kernel = torch.compile(kl_chunk) if compiled else kl_chunk
+    kl_fn = (functools.partial(chunked_kl, chunk=args.kl_chunk, kernel=kernel) if args.kl_chunk
+             else torch.compile(forward_kl) if compiled else forward_kl)
     if compiled:
         compile_layers(student, teacher)
-        kl_fn = torch.compile(forward_kl)
     model = wrap(student, ctx, args.parallel, device)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = {id(p) for p in params if p.ndim >= 2}
@@ -356,15 +413,17 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
 
     if start == 0:
         evaluate(0)
+        if on_step is not None:
+            on_step(0, model)
     model.train()
     bar = tqdm(range(start + 1, steps + 1), desc=desc, disable=not ctx.main, unit="step", leave=False)
     clock = Clock(device)
-    last = {}
+    last, stop = {}, False
     for step in bar:
         factor = warmup_cosine(step, steps, warmup_steps)
         for g in opt.param_groups:
             g["lr"] = args.lr * factor
-        mine = order[step - 1][ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
+        mine = step_windows(n_rows, args.batch_size, step, args.seed, ctx.rank, ctx.world)  # (per_rank,)
         sums = {}
         for j in range(accum):
             ids = rows[mine[j * micro:(j + 1) * micro]].to(device, non_blocking=True)
@@ -400,13 +459,21 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
         if step % eval_every == 0 or step == steps:
             with clock.paused():
                 evaluate(step)
-        if step % args.save_every == 0 or step == steps:
+        if on_step is not None:
+            with clock.paused():
+                on_step(step, model)
+        stop = deadline is not None and step < steps and (  # every process stops at the same step
+            time.monotonic() > deadline if ctx.world == 1 else _all_sum([time.monotonic() > deadline], ctx, device)[0])
+        if step % args.save_every == 0 or step == steps or stop:
             with clock.paused():
                 save_checkpoint(out, step, model, opt, ctx, extra)
+        if stop:
+            log.info("%s: past the deadline at step %d of %d: checkpointed; run again to continue", desc, step, steps)
+            break
 
     records = metrics.read() if ctx.main else []
     evals = [r for r in records if "heldout_loss" in r]
-    tps = clock.rate((steps - start - 1) * tokens_per_step)
+    tps = clock.rate(((step if stop else steps) - start - 1) * tokens_per_step)
     report = {
         "steps": steps, "tokens": steps * tokens_per_step, "tokens_per_step": tokens_per_step, "seq_len": seq,
         "processes": ctx.world, "parallel": args.parallel if ctx.world > 1 else None, "trained": args.train,
@@ -416,6 +483,8 @@ def distill(student, teacher, rows: torch.Tensor, heldout: torch.Tensor, args: T
         "flops_per_token": fpt, "mfu": tps * fpt / (peak * 1e12) / ctx.world if tps and peak else None,
         "resumed_from": start or None,
     }
+    if stop:
+        report["stopped_at"] = step
     return report
 
 
@@ -439,18 +508,18 @@ def run_distill(args: DistillArgs) -> dict:
     teacher = load_teacher(teacher_spec, device, dtype).model
     if tokenizer is None:
         raise FileNotFoundError(f"{args.student} has no tokenizer files; save one beside the model")
-    d = args.data
-    rows_needed = math.ceil(args.train.tokens / d.seq_len)
-    splits = load_splits(d, tokenizer, d.seq_len, 1, d.eval_seqs, train_seqs=rows_needed)
-    report = distill(student, teacher, splits.train, splits.heldout, args.train, args.out, resume=args.resume,
-                     eval_batch_size=args.eval_batch_size, ctx=ctx)
     out = Path(args.out)
+    train_rows, heldout = distill_data(args.data, tokenizer, out / "tokens", args.train.tokens, main=ctx.main,
+                                       barrier=dist.barrier if ctx.world > 1 else None)
+    report = distill(student, teacher, train_rows, heldout, args.train, args.out, resume=args.resume,
+                     eval_batch_size=args.eval_batch_size, ctx=ctx)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     full = get_model_state_dict(student, options=_state_options(cpu_offload=ctx.world > 1))
     if ctx.main:
         student.save_pretrained(out / "model", state_dict=full, safe_serialization=True)
         tokenizer.save_pretrained(out / "model")
-        report.update(student=args.student, teacher=teacher_spec, train_rows=int(splits.train.shape[0]),
+        report.update(student=args.student, teacher=teacher_spec, train_rows=len(train_rows),
+                      tokens_dir=str(train_rows.root),
                       profile=profile, backend=backend, device=str(device), wall_s=time.perf_counter() - t0,
                       args=asdict(args))
         write_json(out / REPORT, report)

@@ -6,8 +6,11 @@ For each layer policy and init (baseline `copy`, phase-2-only `align`, ours `tay
 token counts. Tokens to matched recovery = N / N': N = the budget, whose final held-out loss the baseline reaches;
 N' = the fewest tokens (linearly interpolated between evaluations) at which the candidate reaches that loss.
 
-Everything is resumable: built mixers are cached (safetensors), each run has its own directory with distill's
-atomic checkpoints, and finished runs are kept, so a killed experiment continues where it stopped.
+All runs read the same token shards (<out>/tokens, or --data.source when it is a shard directory) in the same order.
+NIAH retrieval is scored `niah_points` times along each run. Everything is resumable: built mixers are cached
+(safetensors), each run has its own directory with distill's atomic checkpoints and its NIAH records, and finished
+runs are kept, so a killed experiment continues where it stopped; `--time_limit_s` stops it cleanly, so a long
+experiment runs as a series of time-limited jobs of one command.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from taylor_calibrate.ablate import TeacherPass, build_all, check_policies, parse_init
 from taylor_calibrate.config import RecoveryArgs, apply_profile, apply_train_profile
-from taylor_calibrate.data import load_splits
+from taylor_calibrate.data import TokenSplits, distill_data
 from taylor_calibrate.distill import distill
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.export import write_json
@@ -110,8 +113,17 @@ def _niah(model, tokenizer, args, device, desc):
     if not args.niah:
         return None
     with autocast(device):
-        return niah_scores(model, tokenizer, lengths=args.niah_lengths, samples=args.niah_samples,
-                           batch_size=args.niah_samples, max_new_tokens=12, desc=desc)
+        return niah_scores(model, tokenizer, tasks=args.niah_tasks, lengths=args.niah_lengths,
+                           samples=args.niah_samples, batch_size=args.niah_samples, max_new_tokens=12, desc=desc)
+
+
+def niah_steps(steps: int, points: int) -> list[int]:
+    """`points` optimizer steps from 0 to `steps`, evenly spaced (both ends included)."""
+    return sorted({round(k * steps / (points - 1)) for k in range(points)})
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
 
 
 def plot_curves(result: dict, path: Path) -> None:
@@ -120,7 +132,21 @@ def plot_curves(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     policies = list(result["policies"])
-    fig, axes = plt.subplots(1, len(policies), figsize=(5 * len(policies), 4), squeeze=False)
+    niah = any(isinstance(r, dict) and r.get("niah_curve") for rs in result["policies"].values() for r in rs.values())
+    fig, axes = plt.subplots(1 + niah, len(policies), figsize=(5 * len(policies), 4 * (1 + niah)), squeeze=False)
+    for ax, policy in zip(axes[1] if niah else [], policies):
+        for init, run in result["policies"][policy].items():
+            if isinstance(run, dict) and run.get("niah_curve"):
+                for n in result["niah_lengths"]:
+                    ax.plot([r["tokens"] / 1e6 for r in run["niah_curve"]],
+                            [_mean_at(r["scores"], n) for r in run["niah_curve"]], marker="o", ms=3,
+                            label=f"{init}, {n // 1024}K" if n >= 1024 else f"{init}, {n}")
+        ax.set_title(f"{policy}: NIAH (mean of {', '.join(result.get('niah_tasks') or ['tasks'])})")
+        ax.set_xlabel("distillation tokens (M)")
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(-0.05, 1.05)
+        if ax.lines:  # a policy none of whose runs has finished yet has nothing to label
+            ax.legend(fontsize=7)
     for ax, policy in zip(axes[0], policies):
         for init, run in result["policies"][policy].items():
             if isinstance(run, dict) and "tokens" in run:
@@ -159,6 +185,18 @@ def markdown(result: dict) -> str:
                     lines.append(f"| {policy} | {init} | " + " | ".join(
                         f"{_mean_at(run['niah']['start'], n):.2f} -> {_mean_at(run['niah']['end'], n):.2f}"
                         for n in result["niah_lengths"]) + " |")
+    curves = [(p, i, r) for p, rs in result["policies"].items() for i, r in rs.items()
+              if isinstance(r, dict) and len(r.get("niah_curve") or []) > 2]
+    if curves:
+        lines += ["", "NIAH accuracy along each run (mean over tasks; one column per context length):", "",
+                  "| policy | init | tokens | " + " | ".join(str(n) for n in result["niah_lengths"]) + " |",
+                  "|---|---|---|" + "---|" * len(result["niah_lengths"])]
+        for policy, init, run in curves:
+            for rec in run["niah_curve"]:
+                lines.append(f"| {policy} | {init} | {rec['tokens']:,} | "
+                             + " | ".join(f"{_mean_at(rec['scores'], n):.2f}" for n in result["niah_lengths"]) + " |")
+    if result.get("complete") is False:
+        lines += ["", "Incomplete: runs still to finish (rerun the command to continue)."]
     if result.get("throughput_tokens_per_s"):
         lines += ["", f"Distillation throughput {result['throughput_tokens_per_s']:,.0f} tokens/s"
                   + (f", MFU {result['mfu']:.1%}" if result.get("mfu") else "")]
@@ -172,8 +210,9 @@ def _mean_at(scores: dict | None, n: int) -> float:
 
 
 def run_recovery(args: RecoveryArgs) -> dict:
-    """Distil every policy x init from the same budget; curves, tokens-to-match table, NIAH at start and end."""
+    """Distil every policy x init on the same data and budget; curves, tokens-to-match table, NIAH along each run."""
     t0 = time.perf_counter()
+    deadline = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
     runs = parse_runs(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -186,8 +225,8 @@ def run_recovery(args: RecoveryArgs) -> dict:
     model, tokenizer = teacher.model, teacher.tokenizer
     n = model.config.num_hidden_layers
     d = args.data
-    splits = load_splits(d, tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs,
-                         train_seqs=math.ceil(args.train.tokens / d.seq_len))
+    train_rows, heldout = distill_data(d, tokenizer, out / "tokens", args.train.tokens)
+    splits = TokenSplits(calib=train_rows.first(d.calib_seqs), heldout=heldout)  # calibration: the first windows
     specs = list(dict.fromkeys(parse_init(i) for _, i in runs))
     policies = list(dict.fromkeys(p for p, _ in runs))
     built, align_reports, kept, scores = build_or_load(model, splits, specs, policies, args, backend, device,
@@ -201,6 +240,8 @@ def run_recovery(args: RecoveryArgs) -> dict:
 
     results: dict[str, dict] = {p: {} for p in policies}
     speeds = []
+    complete = True
+    worked = False  # has this call advanced a run yet
 
     def summarize() -> dict:
         """recovery.json / .md / curves from the runs finished so far (rewritten after each run)."""
@@ -214,7 +255,8 @@ def run_recovery(args: RecoveryArgs) -> dict:
         result = {
             "teacher": args.teacher, "teacher_loss": teacher_loss, "budget_tokens": args.train.tokens,
             "kept_fraction": len(kept[policies[0]]) / n, "kept": kept, "policy_scores": scores, "policies": results,
-            "teacher_niah": teacher_niah, "niah_lengths": args.niah_lengths,
+            "teacher_niah": teacher_niah, "niah_lengths": args.niah_lengths, "niah_tasks": args.niah_tasks,
+            "tokens_dir": str(train_rows.root), "train_windows": len(train_rows), "complete": complete,
             "throughput_tokens_per_s": sum(tps) / len(tps) if tps else None,
             "mfu": sum(mfus) / len(mfus) if mfus else None,
             "align": {m: {k: v for k, v in r.items() if k != "layers"} for m, r in align_reports.items()},
@@ -233,21 +275,41 @@ def run_recovery(args: RecoveryArgs) -> dict:
             results[policy][init] = json.loads(done.read_text())
             speeds.append((results[policy][init]["tokens_per_s"], results[policy][init]["mfu"]))
             continue
+        if deadline is not None and time.monotonic() > deadline and worked:  # each call advances one run at least
+            complete = False
+            break
+        worked = True
         converted = gdn_layers(kept[policy], n)
         hybrid = convert_teacher(model, converted, args.gdn, teacher_name=args.teacher,
                                  mixers=built[parse_init(init)]).float()
         hybrid.set_backend(train_backend)
         run_dir.mkdir(parents=True, exist_ok=True)
-        start_file = run_dir / "niah_start.json"
-        if args.niah and not start_file.exists():
-            write_json(start_file, _niah(hybrid, tokenizer, args, device, f"{policy}/{init} niah start"))
+        niah_file = run_dir / "niah.jsonl"
+        tokens_per_step = args.train.batch_size * d.seq_len
+        at = set(niah_steps(max(1, math.ceil(args.train.tokens / tokens_per_step)), args.niah_points))
+
+        def score_niah(step, m, niah_file=niah_file, at=at, tag=f"{policy}/{init}"):
+            if not args.niah or step not in at or any(r["step"] == step for r in _read_jsonl(niah_file)):
+                return
+            rec = {"step": step, "tokens": step * tokens_per_step,
+                   "scores": _niah(m, tokenizer, args, device, f"{tag} niah at step {step}")}
+            with niah_file.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+
         print(f"\nrecovery: {policy} / {init}: {len(converted)} GDN layers, {args.train.tokens:,} tokens")
-        rep = distill(hybrid, model, splits.train, splits.heldout, args.train, run_dir,
-                      eval_batch_size=args.eval_batch_size, desc=f"{policy}/{init}")
+        rep = distill(hybrid, model, train_rows, splits.heldout, args.train, run_dir,
+                      eval_batch_size=args.eval_batch_size, desc=f"{policy}/{init}", on_step=score_niah,
+                      deadline=deadline)
+        if rep.get("stopped_at") is not None:
+            complete = False
+            print(f"recovery: {policy} / {init} stopped at step {rep['stopped_at']} of {rep['steps']} (time limit); "
+                  "run the same command again to continue")
+            break
+        curve = sorted({r["step"]: r for r in _read_jsonl(niah_file)}.values(), key=lambda r: r["step"])
         res = {"tokens": rep["eval_tokens"], "heldout_loss": rep["heldout_loss"], "heldout_kl": rep["heldout_kl"],
                "tokens_per_s": rep["tokens_per_s"], "mfu": rep["mfu"], "gdn_layers": converted,
-               "niah": {"start": json.loads(start_file.read_text()),
-                        "end": _niah(hybrid, tokenizer, args, device, f"{policy}/{init} niah end")} if args.niah else None}
+               "niah": {"start": curve[0]["scores"], "end": curve[-1]["scores"]} if args.niah else None,
+               "niah_curve": [{"tokens": r["tokens"], "scores": r["scores"]} for r in curve] if args.niah else None}
         write_json(done, res)
         results[policy][init] = res
         speeds.append((res["tokens_per_s"], res["mfu"]))

@@ -86,6 +86,12 @@ def _locate(spec: str) -> tuple[str, dict]:
     return spec, {}  # a hub id
 
 
+def load_tokenizer(spec: str = DEFAULT_TEACHER):
+    """The tokenizer of a teacher spec (or of any checkpoint directory with tokenizer files, e.g. a hybrid)."""
+    where, kw = _locate(spec)
+    return AutoTokenizer.from_pretrained(where, **kw)
+
+
 def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  attn_implementation: str = "sdpa") -> Teacher:
     """Load a supported causal LM and its tokenizer, frozen, in eval mode."""

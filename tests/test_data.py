@@ -259,3 +259,114 @@ def test_source_errors(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "w1"}\n{"text": \n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2 is not valid JSON"):
         load_documents(CorpusSpec(source=str(tmp_path / "bad.jsonl")))
+
+
+# ----------------------------------------------------------------------------- token shards
+
+
+def test_token_shards_hold_the_packed_rows(tmp_path):
+    """write_tokens keeps the document split and the packing: its first windows are load_splits' rows; a second call
+    reuses the directory; another tokenizer or corpus is refused."""
+    from taylor_calibrate.data import TokenWindows, write_tokens
+
+    for doc_id, text in word_docs(40):
+        (tmp_path / "c").mkdir(exist_ok=True)
+        (tmp_path / "c" / doc_id).write_text(text)
+    spec = CorpusSpec(source=str(tmp_path / "c"), heldout_fraction=0.3)
+    tok = word_tokenizer()
+    out = write_tokens(spec, tok, tmp_path / "tok")
+    meta = json.loads((out / "tokens.json").read_text())
+    assert meta["dtype"] == "uint16" and sum(meta["documents"].values()) == 40
+    assert sum(meta["tokens"].values()) == 40 * 11  # 10 words + eos per document
+    splits = load_splits(spec, tok, seq_len=8, calib_seqs=10, heldout_seqs=5)
+    calib, heldout = TokenWindows(out, "calib", 8), TokenWindows(out, "heldout", 8)
+    assert torch.equal(calib.first(10), splits.calib) and torch.equal(heldout.first(5), splits.heldout)
+    assert calib.shape == (meta["tokens"]["calib"] // 8, 8)
+    assert torch.equal(calib[torch.tensor([3, 0])], calib.first(4)[[3, 0]])
+    stamp = (out / "calib.bin").stat().st_mtime_ns
+    assert write_tokens(spec, tok, out) == out and (out / "calib.bin").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match=r"another corpus or tokenizer \(\['tokenizer'\]"):
+        write_tokens(spec, byte_tokenizer(), out)
+    with pytest.raises(ValueError, match=r"fewer than the 999 asked"):
+        heldout.first(999)
+    with pytest.raises(ValueError, match="holds token shards"):
+        load_documents(CorpusSpec(source=str(out)))
+
+
+def test_step_windows_are_a_pure_function_of_step_and_rank():
+    from taylor_calibrate import data
+    from taylor_calibrate.data import step_windows
+
+    num, batch = 10, 4
+    order = torch.cat([step_windows(num, batch, s, seed=3) for s in range(1, 11)])  # 40 windows = 4 epochs
+    for e in range(4):  # every epoch is a permutation
+        assert sorted(order[e * num:(e + 1) * num].tolist()) == list(range(num))
+    assert not torch.equal(order[:num], order[num:2 * num])  # a new shuffle per epoch
+    data._epoch_permutation.cache_clear()  # a fresh process: the same windows for the same (step, rank)
+    for s in (7, 1, 10):
+        assert torch.equal(step_windows(num, batch, s, seed=3), order[(s - 1) * batch:s * batch])
+        ranks = [step_windows(num, batch, s, seed=3, rank=r, world=2) for r in (0, 1)]
+        assert torch.equal(torch.cat(ranks), order[(s - 1) * batch:s * batch])  # ranks split the global batch
+    assert not torch.equal(step_windows(num, batch, 1, seed=4), order[:batch])
+    with pytest.raises(ValueError, match="multiple of the 3 processes"):
+        step_windows(num, batch, 1, seed=0, world=3)
+
+
+def test_hub_source_streams_into_shards(tmp_path, monkeypatch):
+    """hf: sources are read in datasets' streaming mode (here a local IterableDataset), split by record index."""
+    from taylor_calibrate.data import TokenWindows, write_tokens
+
+    texts = [" ".join([f"w{i}"] * 5) for i in range(30)]
+    calls = {}
+
+    def streaming(repo, config=None, split=None, streaming=False):
+        calls.update(repo=repo, config=config, split=split, streaming=streaming)
+        return datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset()
+
+    monkeypatch.setattr(datasets, "load_dataset", streaming)
+    spec = CorpusSpec(source="hf:me/corpus:en")
+    out = write_tokens(spec, word_tokenizer(), tmp_path / "tok")
+    assert calls == {"repo": "me/corpus", "config": "en", "split": "train", "streaming": True}
+    held = {f"{i}" for i in range(30) if data_unit_hash(str(i)) < 0.5}
+    words = set(TokenWindows(out, "heldout", 6).first(len(held)).unique().tolist()) - {0}
+    assert words == {i + 2 for i in map(int, held)}  # exactly the held-out records' words
+
+
+def data_unit_hash(doc_id):
+    from taylor_calibrate.data import _unit_hash
+    return _unit_hash(doc_id)
+
+
+def test_pysrc_corpus_is_stdlib_and_site_packages():
+    docs = load_documents(CorpusSpec(source="pysrc"))
+    ids = [d for d, _ in docs]
+    assert len(ids) == len(set(ids))
+    assert "stdlib/os.py" in ids and "site/torch/__init__.py" in ids and "site/numpy/__init__.py" in ids
+    assert len(ids) > 5000 and all(i.endswith((".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".cuh"))
+                                   for i in ids)
+    assert any(i.startswith("site/torch/include/") and i.endswith(".h") for i in ids)  # C++ headers count too
+    assert load_documents(CorpusSpec(source="pysrc"))[:50] == docs[:50]  # deterministic
+
+
+def test_distill_data_reads_a_token_directory_or_writes_one(tmp_path, caplog):
+    """distill's data: --data.source naming a token directory is read as is (checked against the model's
+    tokenizer); any other source is tokenised once into the default directory. A budget beyond the corpus warns."""
+    from taylor_calibrate.config import DataArgs
+    from taylor_calibrate.data import distill_data, write_tokens
+
+    (tmp_path / "c").mkdir()
+    for doc_id, text in word_docs(40):
+        (tmp_path / "c" / doc_id).write_text(text)
+    tok = word_tokenizer()
+    train, heldout = distill_data(DataArgs(source=str(tmp_path / "c"), seq_len=8, eval_seqs=3), tok,
+                                  tmp_path / "default", budget=100)
+    assert train.root == tmp_path / "default" and heldout.shape == (3, 8)
+    shards = write_tokens(CorpusSpec(source=str(tmp_path / "c")), tok, tmp_path / "shards")
+    with caplog.at_level("WARNING"):
+        train2, heldout2 = distill_data(DataArgs(source=str(shards), seq_len=8, eval_seqs=3), tok,
+                                        tmp_path / "unused", budget=10 ** 6)
+    assert train2.root == shards and not (tmp_path / "unused").exists()
+    assert torch.equal(train2.first(5), train.first(5)) and torch.equal(heldout2, heldout)
+    assert "training repeats them" in caplog.text
+    with pytest.raises(ValueError, match="another tokenizer than the model's"):
+        distill_data(DataArgs(source=str(shards), seq_len=8, eval_seqs=3), byte_tokenizer(), tmp_path / "x", 100)

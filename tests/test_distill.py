@@ -35,7 +35,7 @@ def assets(tmp_path_factory):
 def _argv(root, corpus, out, steps, *more):
     return ["distill", "--student", str(root / "student"), "--out", str(out), "--device", "cpu", "--backend", "torch",
             "--data.source", str(corpus), "--data.seq_len", "32", "--data.eval_seqs", "2", "--eval_batch_size", "2",
-            "--train.tokens", str(steps * 4 * 32), "--train.batch_size", "4", "--train.lr", "2e-2",
+            "--train.tokens", str(steps * 4 * 32), "--train.batch_size", "4", "--train.lr", "1e-2",
             "--train.log_every", "1", *more]
 
 
@@ -52,7 +52,7 @@ def test_distill_learns_and_reports(assets):
     assert report["steps"] == 24 and report["tokens"] == 24 * 4 * 32 and report["teacher"] == str(teacher_dir)
     assert report["eval_tokens"] == [0, 12 * 128, 24 * 128]
     kl = report["heldout_kl"]
-    assert kl[2] < kl[1] < kl[0] and kl[2] < 0.9 * kl[0], kl  # it learns the teacher
+    assert kl[2] < kl[1] < kl[0] and kl[2] < 0.95 * kl[0], kl  # it learns the teacher (2 rows: a noisy measure)
     assert report["tokens_per_s"] > 0 and report["mfu"] is None  # no peak FLOP/s known for a CPU
     recs = _records(out)
     train = [r for r in recs if "kl" in r]
@@ -80,7 +80,8 @@ def _weights(out):
 
 
 def test_killed_run_resumes_as_if_uninterrupted(assets):
-    """SIGKILL mid-run (checkpoints every step, so likely mid-save), resume, compare with an unbroken run."""
+    """SIGKILL mid-run (checkpoints every step, so likely mid-save), resume, compare with an unbroken run: the same
+    weights and loss records, so the same data order (token-shard windows chosen by the step alone)."""
     root, _, corpus = assets
     steps = 150
     ref, broken = root / "ref", root / "broken"
@@ -106,7 +107,7 @@ def test_killed_run_resumes_as_if_uninterrupted(assets):
     p = _run(_argv(root, corpus, broken, steps, "--train.save_every", "1"))
     log = p.communicate(timeout=300)[0]
     assert p.returncode == 0, log
-    assert "resuming" in log
+    assert "resuming" in log and "tokenised" not in log  # the restart reads the shards the first start wrote
     report = json.loads((broken / "report.json").read_text())
     assert report["resumed_from"] is not None and report["resumed_from"] >= killed_at
 
@@ -191,3 +192,28 @@ def test_compiled_layers_follow_the_eager_run(assets):
     assert torch._dynamo.config.recompile_limit >= 2 * 8
     assert len(losses["true"]) == 3
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-3, abs=1e-5)
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_kl_equals_plain_kl_value_and_gradient(tau, dtype):
+    """chunked_kl = forward_kl in value and gradient, with a ragged last chunk (14 tokens in chunks of 4); in bf16 the
+    gradients agree to bf16 rounding (both paths cast the fp32 gradient to the logits' dtype once)."""
+    from taylor_calibrate.distill import chunked_kl, forward_kl
+
+    g = torch.Generator().manual_seed(0)
+    s0 = (3 * torch.randn(2, 7, 301, generator=g)).to(dtype)
+    t = (3 * torch.randn(2, 7, 301, generator=g)).to(dtype)
+    out = {}
+    for name, fn in (("plain", forward_kl), ("chunked", lambda a, b, tau: chunked_kl(a, b, tau, chunk=4))):
+        s = s0.clone().requires_grad_(True)
+        loss = fn(s, t, tau)
+        (3 * loss).backward()  # a non-unit upstream gradient
+        out[name] = (loss.detach(), s.grad.float())
+    (lp, gp), (lc, gc) = out["plain"], out["chunked"]
+    assert lc.dtype == torch.float32 and lp.item() > 0.1
+    assert lc.item() == pytest.approx(lp.item(), rel=1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert (gc - gp).norm() <= tol * gp.norm(), ((gc - gp).norm(), gp.norm())
+    with torch.no_grad():  # no gradient wanted: the buffer is not even allocated, the value is the same
+        assert chunked_kl(s0, t, tau, chunk=5).item() == pytest.approx(lp.item(), rel=1e-5)
