@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 GDN_TYPE = "linear_attention"  # transformers' cache name for a recurrent-state layer
+# transformers' cache names for a layer that holds both: a KV cache (of the kept heads) and a recurrent state
+HEADWISE_TYPES = {"full_attention": "hybrid", "sliding_attention": "hybrid_sliding"}
 
 
 @dataclass
@@ -83,6 +85,9 @@ class HybridConfig(PreTrainedConfig):
 
     base_config: dict | None = None
     layer_types: list[str] | None = None
+    attention_heads: dict | None = None
+    """Head-wise layers ("hybrid" / "hybrid_sliding" in layer_types): {str(layer): [KV groups kept as attention]};
+    the query heads of every other group of that layer are GDN heads."""
     gdn: dict | None = None
     teacher_name: str | None = None
     use_cache: bool = True
@@ -98,7 +103,12 @@ class HybridConfig(PreTrainedConfig):
 
     @property
     def gdn_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types or []) if t == GDN_TYPE]
+        """Layers with GDN heads: converted whole or head-wise."""
+        return [i for i, t in enumerate(self.layer_types or []) if t == GDN_TYPE or t in HEADWISE_TYPES.values()]
+
+    def kept_groups(self, layer: int) -> list[int]:
+        """KV groups of `layer` kept as softmax attention ([] for a GDN layer)."""
+        return list((self.attention_heads or {}).get(str(layer), []))
 
     @property
     def gdn_config(self) -> GDNConfig:

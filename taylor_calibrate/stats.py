@@ -13,6 +13,7 @@ live in ops/ (attention_stats_torch.py: PyTorch, attention_stats_triton.py: one 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -147,7 +148,7 @@ class _Collector:
         return layers
 
 
-_ACTIVE: _Collector | None = None
+_ACTIVE = None  # the collector the attention function below feeds (a _Collector or a _NeedleProbe)
 
 
 def _stats_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -229,3 +230,50 @@ def _joined(chunks: dict[int, list]) -> dict[int, torch.Tensor]:
         out[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
         del parts
     return out
+
+
+# --- retrieval heads: where the teacher looks when it copies a needle ---------------------------------------------
+class _NeedleProbe:
+    """Per layer and query head, the attention mass that the positions predicting a retrieval answer put on the
+    needle's copy of that answer (a copy / retrieval head puts most of it there). Set `rows` and `keys` per probe."""
+
+    def __init__(self):
+        self.inputs, self.store_device = {}, "cpu"  # _collecting's interface; nothing is stored
+        self.rows = self.keys = None
+        self.sums: dict[int, torch.Tensor] = {}
+
+    def observe(self, module, query, key, out, scaling, window, softcap):
+        q = query[:, :, self.rows].float()  # (B, H, r, D)
+        k = key.float().repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # GQA -> (B, H, T, D)
+        s = q @ k.transpose(-1, -2) * scaling  # (B, H, r, T)
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        pos = torch.arange(k.shape[2], device=s.device)
+        visible = pos[None, :] <= self.rows[:, None]
+        if window is not None:
+            visible &= pos[None, :] > self.rows[:, None] - window
+        p = s.masked_fill(~visible, float("-inf")).softmax(-1)
+        mass = p[..., self.keys].sum(-1).mean(-1).sum(0)  # (H,)
+        self.sums[module.layer_idx] = self.sums.get(module.layer_idx, 0) + mass
+
+
+@torch.no_grad()
+def retrieval_heads(model, probes) -> torch.Tensor:
+    """(layers, query heads): mean over `probes` (retrieval.Probe) of the attention mass from the positions that
+    predict the answer onto the needle's answer tokens, in the teacher's own attention (RoPE, windows, softcap)."""
+    probe = _NeedleProbe()
+    device = next(model.parameters()).device
+    with _collecting(model, probe):
+        for p in tqdm(probes, desc="retrieval heads", leave=False):
+            probe.rows = torch.tensor(p.answer, device=device) - 1
+            probe.keys = torch.tensor(p.needle, device=device)
+            model(input_ids=torch.tensor([p.ids], device=device), use_cache=False, logits_to_keep=1)
+    n = model.config.num_hidden_layers
+    return torch.stack([probe.sums[i].cpu() for i in range(n)]) / len(probes)
+
+
+def head_subset(st: LayerStats, heads: list[int]) -> LayerStats:
+    """A layer's statistics restricted to some of its query heads (for the GDN heads of a head-wise layer)."""
+    idx = torch.tensor(heads)
+    kw = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
+    return LayerStats(**{k: v[idx] if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
