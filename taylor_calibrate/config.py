@@ -318,7 +318,15 @@ class PipelineArgs:
     teacher: str = "smollm2-135m"
     """HF checkpoint directory, hub id, .gguf file, or "smollm2-135m" (the embedded default teacher)."""
     keep_every: int = 4
-    """Keep one attention layer in this many (all policies keep ceil(n / keep_every) layers)."""
+    """Keep one attention layer in this many (all policies keep ceil(n / keep_every) layers, or KV groups for
+    `heads`); a shorthand for --kv_budget."""
+    kv_budget: float | None = None
+    """Fraction of the teacher's KV cache the hybrid keeps, in (0, 1): at most this fraction of the layers (layer
+    policies) or of the KV groups (`heads`) stays softmax attention. None: one in --keep_every."""
+    probe_samples: int = 8
+    """Retrieval probes per task (single, multikey, passkey) at --data.seq_len tokens: the `retrieval` / `heads`
+    policies score the teacher's heads on calibration probes; convert reports the teacher-forced answer
+    log-probability of teacher and hybrid on evaluation probes (other needles, other haystack)."""
     profile: str = "auto"
     """Sizes for unset data/alignment options: "full" (GPU), "quick" (CPU), "auto" (full on CUDA, else quick)."""
     gdn: GDNConfig = field(default_factory=GDNConfig)
@@ -338,6 +346,10 @@ class PipelineArgs:
 
     def __post_init__(self):
         check_profile(self.profile)
+        if self.kv_budget is not None and not 0 < self.kv_budget < 1:
+            raise ValueError(f"kv_budget={self.kv_budget} must be a fraction of the teacher's KV cache in (0, 1)")
+        if self.probe_samples < 1:
+            raise ValueError(f"probe_samples={self.probe_samples} must be >= 1")
 
 
 @dataclass
@@ -352,7 +364,9 @@ class ConvertArgs(PipelineArgs):
     align: bool = True
     """Phase 2 (METHOD.md 4): teacher-forced per-layer alignment after phase 1."""
     policy: str = "uniform"
-    """Which layers stay softmax attention: "uniform", "bypass", "greedy", or "layers=0,4,8"."""
+    """Which layers stay softmax attention: "uniform", "bypass", "greedy", "retrieval" (the layers whose heads the
+    teacher retrieves with), "heads" (head-wise: the KV groups the teacher retrieves with, in any layer), or
+    "layers=0,4,8"."""
 
     def __post_init__(self):
         super().__post_init__()

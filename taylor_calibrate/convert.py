@@ -21,12 +21,13 @@ from taylor_calibrate.config import CalibArgs, ConvertArgs, EvalArgs, apply_prof
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import agreement, import_lm_eval, lm_eval_tasks, perplexity
 from taylor_calibrate.export import REPORT, load_model, save_hybrid, write_json
-from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
+from taylor_calibrate.model.hybrid import convert_teacher, converted_heads, make_mixers
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.ops.fla import check_fla_backward
-from taylor_calibrate.policy import SCORED, bypass_scores, gdn_layers, greedy_scores, kept_layers
-from taylor_calibrate.retrieval import niah_scores
-from taylor_calibrate.stats import TeacherStats, collect_stats
+from taylor_calibrate.policy import (RETRIEVAL, SCORED, bypass_scores, gdn_layers, greedy_scores, group_scores,
+                                     kept_groups_of, kept_layers, layer_groups)
+from taylor_calibrate.retrieval import answer_scores, calibration_probes, eval_probes, niah_scores, probe_length
+from taylor_calibrate.stats import TeacherStats, collect_stats, head_subset, retrieval_heads
 from taylor_calibrate.teacher import Teacher, load_teacher, resolve_device, resolve_dtype
 
 log = logging.getLogger("taylor_calibrate")
@@ -41,15 +42,32 @@ def print_table(rows: list[tuple[str, str]]) -> None:
         print(f"  {k:<{width}}  {v}")
 
 
-def attention_targets(teacher, stats: TeacherStats, layers, release: bool = False) -> dict[int, torch.Tensor]:
-    """Teacher attention output after W_O for each layer: the phase 2 target (METHOD.md section 4). `release` drops
-    each layer's stored head outputs once its target exists (phase 1 was their last reader), so the two never
-    coexist for more than one layer."""
+def _columns(teacher, layer: int, kept_groups) -> torch.Tensor | None:
+    """Head-output columns of a head-wise layer's GDN heads (None: the layer is converted whole)."""
+    kept = (kept_groups or {}).get(layer, [])
+    if not kept:
+        return None
+    D = teacher.config.head_dim if getattr(teacher.config, "head_dim", None) else \
+        teacher.config.hidden_size // teacher.config.num_attention_heads
+    return torch.tensor([h * D + j for h in converted_heads(teacher.config, kept) for j in range(D)])
+
+
+def attention_targets(teacher, stats: TeacherStats, layers, release: bool = False,
+                      kept_groups: dict[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
+    """Teacher attention output after W_O for each layer: the phase 2 target (METHOD.md section 4); of a head-wise
+    layer, the part its GDN heads carry (their columns of W_O, no bias: the kept heads add the rest exactly).
+    `release` drops each layer's stored head outputs once its target exists (phase 1 was their last reader), so the
+    two never coexist for more than one layer."""
     out = {}
     for i in layers:
         o_proj = teacher.model.layers[i].self_attn.o_proj
         y = stats.head_outputs.pop(i) if release else stats.head_outputs[i]
-        out[i] = torch.nn.functional.linear(y.to(o_proj.weight), o_proj.weight, o_proj.bias).to(y.device)
+        cols = _columns(teacher, i, kept_groups)
+        if cols is None:
+            out[i] = torch.nn.functional.linear(y.to(o_proj.weight), o_proj.weight, o_proj.bias).to(y.device)
+        else:
+            w = o_proj.weight[:, cols.to(o_proj.weight.device)]
+            out[i] = torch.nn.functional.linear(y[..., cols.to(y.device)].to(w), w).to(y.device)
     return out
 
 
@@ -73,9 +91,9 @@ def store_device_for(model, rows: int, seq: int, layers, device: torch.device) -
 
 
 def calibrated_mixers(teacher, stats: TeacherStats | None, layers, init: str, calib: CalibArgs, gdn, backend: str,
-                      seed: int = 0):
-    """Copy-only mixers for `layers`, then phase 1 with method `init`."""
-    mixers = make_mixers(teacher, layers, gdn, seed)
+                      seed: int = 0, kept_groups: dict[int, list[int]] | None = None):
+    """Copy-only mixers for `layers` (head-wise where `kept_groups` keeps some groups), then phase 1 with `init`."""
+    mixers = make_mixers(teacher, layers, gdn, seed, kept_groups)
     for m in mixers.values():
         m.backend = backend
     report = {}
@@ -83,7 +101,10 @@ def calibrated_mixers(teacher, stats: TeacherStats | None, layers, init: str, ca
         for i, m in tqdm(mixers.items(), desc=f"phase 1 ({init})", leave=False):
             rows = slice(0, calib.fit_rows)
             x, y = stats.inputs[i][rows].to(m.A_log.device), stats.head_outputs[i][rows].to(m.A_log.device)
-            report[i] = calibrate_layer(m, stats.layers[i], x, y, init, calib)
+            st, cols = stats.layers[i], _columns(teacher, i, kept_groups)
+            if cols is not None:
+                st, y = head_subset(st, converted_heads(teacher.config, kept_groups[i])), y[..., cols.to(y.device)]
+            report[i] = calibrate_layer(m, st, x, y, init, calib)
     return mixers, report
 
 
@@ -101,6 +122,26 @@ def training_backend(backend: str, asked: str, needed: bool) -> str:
     return "torch"
 
 
+def retrieval_probes(args, teacher: Teacher):
+    """(length, evaluation probes) for the retrieval report; with a context too short for them, the policies that
+    select by retrieval fail, the others report no retrieval (logged)."""
+    try:
+        length = probe_length(args.data.seq_len, teacher.model.config)
+        while True:  # a tokenizer with many tokens per word needs longer prompts: double up to the context
+            try:
+                return length, eval_probes(teacher.tokenizer, length, args.probe_samples)
+            except ValueError:
+                longer = probe_length(2 * length, teacher.model.config)
+                if longer == length:
+                    raise
+                length = longer
+    except ValueError as e:
+        if args.policy in RETRIEVAL:
+            raise ValueError(f"policy {args.policy!r} scores heads on retrieval probes, which do not fit: {e}") from e
+        log.warning("no retrieval report: %s", e)
+        return None, []
+
+
 def run_convert(args: ConvertArgs) -> dict:
     """Convert a teacher into a hybrid (phase 1 + phase 2 by default), evaluate both on held-out text, save it."""
     t0 = time.perf_counter()
@@ -110,7 +151,8 @@ def run_convert(args: ConvertArgs) -> dict:
     return convert_loaded(args, teacher, t0)
 
 
-def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None, save: bool = True) -> dict:
+def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None, save: bool = True,
+                   return_model: bool = False):
     """The convert stage from a loaded teacher on (an in-memory one works too: benchmarks/perf.py times random-weight
     teachers this way). `t0`: when the command started (load_teacher_s = time until now); `save=False` skips writing
     the model and report.json and returns the report."""
@@ -126,8 +168,9 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     train_backend = training_backend(backend, args.backend, args.align)
 
     n = teacher.model.config.num_hidden_layers
-    if args.policy not in SCORED:
-        kept = kept_layers(args.policy, n, args.keep_every)
+    kv = teacher.model.config.num_key_value_heads
+    if args.policy not in SCORED + RETRIEVAL:
+        kept = kept_layers(args.policy, n, args.keep_every, kv_budget=args.kv_budget)
     times["load_teacher_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
@@ -137,14 +180,28 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
 
     t = time.perf_counter()
     teacher_eval = perplexity(teacher.model, splits.heldout, args.eval_batch_size, desc="teacher ppl")
+    probe_len, probes = retrieval_probes(args, teacher)
+    teacher_retrieval = answer_scores(teacher.model, probes) if probes else None
     times["teacher_eval_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    scores = None
+    scores, kept_groups = None, None
     if args.policy == "bypass":
         scores = bypass_scores(teacher.model, splits.calib[:4], args.eval_batch_size)
-        kept = kept_layers(args.policy, n, args.keep_every, scores)
-    candidates = list(range(n)) if args.policy == "greedy" else gdn_layers(kept, n)
+        kept = kept_layers(args.policy, n, args.keep_every, scores, args.kv_budget)
+    elif args.policy in RETRIEVAL:  # calibration needles in a calibration haystack: never the evaluation prompts
+        words = tuple(teacher.tokenizer.decode(splits.calib[:8].flatten()).split())
+        heads = retrieval_heads(teacher.model, calibration_probes(teacher.tokenizer, words, length=probe_len,
+                                                                  samples=args.probe_samples))
+        groups = group_scores(heads, kv)
+        scores = groups.tolist()
+        if args.policy == "heads":
+            kept_groups = kept_groups_of(groups, args.keep_every, args.kv_budget)
+            kept = [i for i, g in kept_groups.items() if len(g) == kv]
+        else:
+            kept = kept_layers(args.policy, n, args.keep_every, groups.sum(1).tolist(), args.kv_budget)
+    candidates = list(range(n)) if args.policy == "greedy" else (
+        [i for i, g in kept_groups.items() if len(g) < kv] if kept_groups else gdn_layers(kept, n))
     stats = None
     if args.init != "copy" or args.align or args.policy == "greedy":
         store = store_device_for(teacher.model, *splits.calib.shape, candidates, device)
@@ -153,11 +210,14 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     times["stats_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    mixers, p1 = calibrated_mixers(teacher.model, stats, candidates, args.init, args.calib, args.gdn, backend, args.seed)
+    mixers, p1 = calibrated_mixers(teacher.model, stats, candidates, args.init, args.calib, args.gdn, backend, args.seed,
+                                   kept_groups)
     if args.policy == "greedy":
         scores = greedy_scores(teacher.model, mixers, splits.calib[:4], args.eval_batch_size)
-        kept = kept_layers(args.policy, n, args.keep_every, scores)
-    converted = gdn_layers(kept, n)
+        kept = kept_layers(args.policy, n, args.keep_every, scores, args.kv_budget)
+    kept_groups = kept_groups or layer_groups(kept, n, kv)
+    converted = [i for i in range(n) if len(kept_groups[i]) < kv]
+    headwise = {i: kept_groups[i] for i in converted if kept_groups[i]}
     mixers = {i: mixers[i] for i in converted}
     if stats is not None:  # greedy stored every layer's rows; phase 2 reads only the converted ones
         for i in set(candidates) - set(converted):
@@ -169,14 +229,16 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     if args.align:
         for m in mixers.values():
             m.backend = train_backend
-        targets = attention_targets(teacher.model, stats, converted, release=True)
+        targets = attention_targets(teacher.model, stats, converted, release=True, kept_groups=headwise)
         p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets, args.phase2)
     times["phase2_s"] = time.perf_counter() - t
 
-    hybrid = convert_teacher(teacher.model, converted, args.gdn, teacher_name=args.teacher, mixers=mixers)
+    hybrid = convert_teacher(teacher.model, converted, args.gdn, teacher_name=args.teacher, mixers=mixers,
+                             kept_groups=headwise)
     hybrid.set_backend(backend)
     t = time.perf_counter()
     hybrid_eval = perplexity(hybrid, splits.heldout, args.eval_batch_size, desc="hybrid ppl")
+    hybrid_retrieval = answer_scores(hybrid, probes) if probes else None
     times["hybrid_eval_s"] = time.perf_counter() - t
 
     report = {
@@ -187,9 +249,13 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         "layer_types": list(hybrid.config.layer_types),
         "kept_layers": kept,
         "gdn_layers": converted,
+        "headwise_kept_groups": {str(i): g for i, g in headwise.items()},
+        "kv_fraction": sum(len(g) for g in kept_groups.values()) / (n * kv),
         "policy_scores": scores,
         "teacher_ppl": teacher_eval["ppl"],
         "hybrid_ppl": hybrid_eval["ppl"],
+        "retrieval": probes and {"teacher": teacher_retrieval, "hybrid": hybrid_retrieval, "probes": len(probes),
+                                 "length": probe_len},
         "eval_tokens": hybrid_eval["tokens"],
         "calib_tokens": int(splits.calib.numel()),
         "phase1": p1,
@@ -213,7 +279,14 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
 
     init = f"{args.init}{' + align' if args.align else ''}"
     print(f"\nconverted {args.teacher}: {len(converted)} of {n} layers -> GDN ({args.policy}), kept attention {kept}")
-    rows = [("teacher ppl", f"{teacher_eval['ppl']:.3f}"), (f"hybrid ppl ({init})", f"{hybrid_eval['ppl']:.3f}")]
+    rows = [("teacher ppl", f"{teacher_eval['ppl']:.3f}"), (f"hybrid ppl ({init})", f"{hybrid_eval['ppl']:.3f}"),
+            ("KV cache kept", f"{report['kv_fraction']:.1%} of the teacher's" + (f" (head-wise layers {sorted(headwise)})"
+                                                                                 if headwise else ""))]
+    if probes:
+        rows += [(f"retrieval answer log-prob teacher / hybrid ({len(probes)} probes, {probe_len} tokens)",
+                  f"{teacher_retrieval['logprob']:.2f} / {hybrid_retrieval['logprob']:.2f} nats"),
+                 ("retrieval answer exact, teacher-forced: teacher / hybrid",
+                  f"{teacher_retrieval['acc']:.2f} / {hybrid_retrieval['acc']:.2f}")]
     if p2 is not None:
         rows.append(("align rel-MSE before -> after", f"{p2['mean_rel_mse_before']:.3f} -> {p2['mean_rel_mse_after']:.3f}"))
     print_table(rows + [
@@ -224,7 +297,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         ("wall time", f"{report['wall_s']:.1f} s"),
         ("output", str(Path(args.out) / REPORT) if save else "(not saved)"),
     ])
-    return report
+    return (report, hybrid) if return_model else report
 
 
 def print_niah(scores: dict[str, dict]) -> None:

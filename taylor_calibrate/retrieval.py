@@ -294,6 +294,24 @@ def calibration_probes(tokenizer, words: tuple[str, ...], tasks=TASKS, length: i
                                                                        words=words)]
 
 
+PROBE_MIN_LENGTH = 256
+"""Shortest retrieval probe: room for multikey's four needles and question, and some haystack between them."""
+
+
+def probe_length(seq_len: int, config) -> int:
+    """Probes are as long as the calibration rows, at least PROBE_MIN_LENGTH tokens, at most the model's context."""
+    max_pos = getattr(config, "max_position_embeddings", None) or seq_len
+    if max_pos < PROBE_MIN_LENGTH:
+        raise ValueError(f"retrieval probes need a context of at least {PROBE_MIN_LENGTH} tokens; this model's "
+                         f"max_position_embeddings is {max_pos}")
+    return min(max(seq_len, PROBE_MIN_LENGTH), max_pos)
+
+
+def eval_probes(tokenizer, length: int, samples: int = 8, tasks=TASKS, seed: int = 0) -> list[Probe]:
+    """Retrieval probes for reporting: the evaluation haystack and needles (as `niah_scores` with the same seed)."""
+    return [make_probe(s, tokenizer) for t in tasks for s in make_samples(t, tokenizer, length, samples, seed)]
+
+
 @torch.no_grad()
 def answer_scores(model, probes: list[Probe]) -> dict:
     """Teacher-forced retrieval score: per probe the answer's summed log-probability (nats) and whether every answer
