@@ -324,9 +324,10 @@ class PipelineArgs:
     """Fraction of the teacher's KV cache the hybrid keeps, in (0, 1): at most this fraction of the layers (layer
     policies) or of the KV groups (`heads`) stays softmax attention. None: one in --keep_every."""
     probe_samples: int = 8
-    """Retrieval probes per task (single, multikey, passkey) at --data.seq_len tokens: the `retrieval` / `heads`
-    policies score the teacher's heads on calibration probes; convert reports the teacher-forced answer
-    log-probability of teacher and hybrid on evaluation probes (other needles, other haystack)."""
+    """Retrieval probes per task (single, multikey, passkey) and length: the `retrieval` / `heads` policies score the
+    teacher's heads on calibration probes at --data.seq_len and 4x that many tokens (capped by the teacher's
+    context); convert reports the teacher-forced answer log-probability of teacher and hybrid on evaluation probes
+    at --data.seq_len (other needles, other haystack)."""
     profile: str = "auto"
     """Sizes for unset data/alignment options: "full" (GPU), "quick" (CPU), "auto" (full on CUDA, else quick)."""
     gdn: GDNConfig = field(default_factory=GDNConfig)

@@ -191,8 +191,9 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         kept = kept_layers(args.policy, n, args.keep_every, scores, args.kv_budget)
     elif args.policy in RETRIEVAL:  # calibration needles in a calibration haystack: never the evaluation prompts
         words = tuple(teacher.tokenizer.decode(splits.calib[:8].flatten()).split())
-        heads = retrieval_heads(teacher.model, calibration_probes(teacher.tokenizer, words, length=probe_len,
-                                                                  samples=args.probe_samples))
+        long = probe_length(4 * probe_len, teacher.model.config)  # retrieval heads far back too, not only near
+        heads = retrieval_heads(teacher.model, [p for n in dict.fromkeys([probe_len, long]) for p in calibration_probes(
+            teacher.tokenizer, words, length=n, samples=args.probe_samples)])
         groups = group_scores(heads, kv)
         scores = groups.tolist()
         if args.policy == "heads":
