@@ -234,6 +234,19 @@ def swapped_into(teacher: PreTrainedModel, mixers: dict[int, GatedDeltaNet]):
             layers[i].self_attn = a
 
 
+@torch.no_grad()
+def copy_buffers(src: nn.Module, dst: nn.Module) -> None:
+    """Give `dst` the buffers of `src` that it shares by name (RoPE's inv_freq), dtype included: `.to(bf16)` of a
+    freshly built model casts inv_freq to bf16 (0.4% off, radians of phase at a few thousand positions), while the
+    teacher, loaded with its dtype, keeps it fp32."""
+    mods = dict(dst.named_modules())
+    for name, buf in src.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        mod = mods.get(owner)
+        if mod is not None and leaf in mod._buffers and mod._buffers[leaf] is not None:
+            mod._buffers[leaf] = buf.detach().clone()
+
+
 def convert_teacher(teacher: PreTrainedModel, gdn_layers: list[int], gdn: GDNConfig, *, teacher_name: str | None = None,
                     seed: int = 0, mixers: dict[int, GatedDeltaNet] | None = None,
                     kept_groups: dict[int, list[int]] | None = None) -> HybridForCausalLM:
@@ -252,6 +265,7 @@ def convert_teacher(teacher: PreTrainedModel, gdn_layers: list[int], gdn: GDNCon
     if missing or unexpected:
         raise RuntimeError(f"teacher -> hybrid weight map failed: missing {missing[:5]}, unexpected {unexpected[:5]}")
     hybrid.tie_weights()  # re-share lm_head and embeddings when the teacher ties them (load_state_dict copied both)
+    copy_buffers(teacher, hybrid)
     if mixers is None:
         mixers = make_mixers(teacher, gdn_layers, gdn, seed, kept_groups)
     for i, mixer in hybrid.gdn_mixers.items():
