@@ -404,7 +404,13 @@ class _Training:
         self.group = len(states) if args.layer_group is None else args.layer_group
         trained = [s for s in states if s.params]
         self.device = trained[0].device if trained else states[0].device
-        self.stacks = [_Stack(trained[i:i + self.group]) for i in range(0, len(trained), self.group)]
+        alike: dict[tuple, list[_LayerState]] = {}  # head-wise layers differ in heads: stack equal shapes only
+        for s in trained:
+            m = s.mixer
+            key = (m.num_heads, m.head_dim, m.backend, str(s.device), tuple(p.shape for p in m.parameters()))
+            alike.setdefault(key, []).append(s)
+        self.stacks = [_Stack(part[i:i + self.group]) for part in alike.values()
+                       for i in range(0, len(part), self.group)]
         lrs = {"new": args.lr, "qkv": args.lr_qkv, "o_proj": args.lr_o, "o_norm": args.lr,
                "dynamics": args.lr if args.lr_dynamics is None else args.lr_dynamics}
         groups = {g: [t for st in self.stacks for n, t in st.trained().items() if _group_of(n) == g] for g in lrs}

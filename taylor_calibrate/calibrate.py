@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 
 from taylor_calibrate.config import CalibArgs
 from taylor_calibrate.model.gdn import GatedDeltaNet, identity_conv_
-from taylor_calibrate.model.hybrid import make_mixers
-from taylor_calibrate.stats import LayerStats, TeacherStats
+from taylor_calibrate.model.hybrid import converted_heads, make_mixers
+from taylor_calibrate.stats import LayerStats, TeacherStats, head_columns, head_subset
 
 
 def inv_softplus(y: torch.Tensor) -> torch.Tensor:
@@ -247,11 +247,12 @@ METHODS = tuple(CALIBRATE)
 
 
 def calibrated_mixers(teacher, stats: TeacherStats | None, layers, init: str, calib: CalibArgs, gdn, backend: str,
-                      seed: int = 0):
-    """Copy-only mixers for `layers`, then phase 1 with method `init`."""
+                      seed: int = 0, kept_groups: dict[int, list[int]] | None = None):
+    """Copy-only mixers for `layers` (head-wise where `kept_groups` keeps some KV groups: the mixer holds the other
+    heads, calibrated from their own statistics), then phase 1 with method `init`."""
     if init not in CALIBRATE:
         raise ValueError(f"calibration method {init!r} is not one of {METHODS}")
-    mixers = make_mixers(teacher, layers, gdn, seed)
+    mixers = make_mixers(teacher, layers, gdn, seed, kept_groups)
     for m in mixers.values():
         m.backend = backend
     report = {}
@@ -259,5 +260,9 @@ def calibrated_mixers(teacher, stats: TeacherStats | None, layers, init: str, ca
         for i, m in tqdm(mixers.items(), desc=f"phase 1 ({init})", leave=False):
             rows = slice(0, calib.fit_rows)
             x, y = stats.inputs[i][rows].to(m.A_log.device), stats.head_outputs[i][rows].to(m.A_log.device)
-            report[i] = CALIBRATE[init](m, stats.layers[i], x, y, calib)
+            st, kept = stats.layers[i], (kept_groups or {}).get(i)
+            if kept:
+                st = head_subset(st, converted_heads(teacher.config, kept))
+                y = y[..., head_columns(teacher.config, kept).to(y.device)]
+            report[i] = CALIBRATE[init](m, st, x, y, calib)
     return mixers, report

@@ -21,6 +21,8 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 GDN_TYPE = "linear_attention"  # transformers' cache name for a recurrent-state layer
+# transformers' cache names for a layer that holds both: a KV cache (of the kept heads) and a recurrent state
+HEADWISE_TYPES = {"full_attention": "hybrid", "sliding_attention": "hybrid_sliding"}
 
 
 @dataclass
@@ -89,6 +91,9 @@ class HybridConfig(PreTrainedConfig):
 
     base_config: dict | None = None
     layer_types: list[str] | None = None
+    attention_heads: dict | None = None
+    """Head-wise layers ("hybrid" / "hybrid_sliding" in layer_types): {str(layer): [KV groups kept as attention]};
+    the query heads of every other group of that layer are GDN heads."""
     gdn: dict | None = None
     teacher_name: str | None = None
     use_cache: bool = True
@@ -104,7 +109,12 @@ class HybridConfig(PreTrainedConfig):
 
     @property
     def gdn_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types or []) if t == GDN_TYPE]
+        """Layers with GDN heads: converted whole or head-wise."""
+        return [i for i, t in enumerate(self.layer_types or []) if t == GDN_TYPE or t in HEADWISE_TYPES.values()]
+
+    def kept_groups(self, layer: int) -> list[int]:
+        """KV groups of `layer` kept as softmax attention ([] for a GDN layer)."""
+        return list((self.attention_heads or {}).get(str(layer), []))
 
     @property
     def gdn_config(self) -> GDNConfig:
@@ -276,7 +286,16 @@ class PipelineArgs:
     teacher: str = "smollm2-135m"
     """HF checkpoint directory, hub id, .gguf file, or "smollm2-135m" (the embedded default teacher)."""
     keep_every: int = 4
-    """Keep one attention layer in this many (all policies keep ceil(n / keep_every) layers)."""
+    """Keep one attention layer in this many (all policies keep ceil(n / keep_every) layers, or KV groups for
+    `heads`); a shorthand for --kv_budget."""
+    kv_budget: float | None = None
+    """Fraction of the teacher's KV cache the hybrid keeps, in (0, 1): at most this fraction of the layers (layer
+    policies) or of the KV groups (`heads`) stays softmax attention. None: one in --keep_every."""
+    probe_samples: int = 8
+    """Retrieval probes per task (single, multikey, passkey) and length: the `retrieval` / `heads` policies score the
+    teacher's heads on calibration probes at --data.seq_len and 4x that many tokens (capped by the teacher's
+    context); convert reports the teacher-forced answer log-probability of teacher and hybrid on evaluation probes
+    at --data.seq_len (other needles, other haystack)."""
     profile: str = "auto"
     """Sizes for unset data/alignment options: "full" (GPU), "quick" (CPU), "auto" (full on CUDA, else quick)."""
     gdn: GDNConfig = field(default_factory=GDNConfig)
@@ -296,6 +315,10 @@ class PipelineArgs:
 
     def __post_init__(self):
         check_profile(self.profile)
+        if self.kv_budget is not None and not 0 < self.kv_budget < 1:
+            raise ValueError(f"kv_budget={self.kv_budget} must be a fraction of the teacher's KV cache in (0, 1)")
+        if self.probe_samples < 1:
+            raise ValueError(f"probe_samples={self.probe_samples} must be >= 1")
 
 
 @dataclass
@@ -310,7 +333,9 @@ class ConvertArgs(PipelineArgs):
     align: bool = True
     """Phase 2 (docs/method.md, "Phase 2: alignment"): teacher-forced per-layer alignment after phase 1."""
     policy: str = "uniform"
-    """Which layers stay softmax attention: "uniform", "bypass", "greedy", or "layers=0,4,8"."""
+    """Which layers stay softmax attention: "uniform", "bypass", "greedy", "retrieval" (the layers whose heads the
+    teacher retrieves with), "heads" (head-wise: the KV groups the teacher retrieves with, in any layer), or
+    "layers=0,4,8"."""
     target: str = "hybrid"
     """"hybrid": our own format (the teacher's modules, GDN options as given); "qwen3_5": a hybrid that exports
     exactly to Qwen3.5 (`export --format qwen3_5`, served by transformers / vLLM / SGLang / llama.cpp): GDN layers in
@@ -323,6 +348,9 @@ class ConvertArgs(PipelineArgs):
             raise ValueError(f"init={self.init!r} is not one of {INITS}")
         if self.target not in TARGETS:
             raise ValueError(f"target={self.target!r} is not one of {TARGETS}")
+        if self.target == "qwen3_5" and self.policy == "heads":
+            raise ValueError("--target qwen3_5 needs whole layers (a Qwen3.5 layer is attention or GDN): use a layer "
+                             "policy (uniform, bypass, greedy, retrieval) instead of --policy heads")
 
 
 @dataclass

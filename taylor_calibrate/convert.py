@@ -6,6 +6,7 @@ directory and returns the report dict. The README documents the report schema; k
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -18,14 +19,38 @@ from taylor_calibrate.evaluate import perplexity, print_table
 from taylor_calibrate.export import REPORT, save_hybrid, write_json
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.ops import resolve_backend, training_backend
+from taylor_calibrate.policy import (RETRIEVAL, SCORED, bypass_scores, gdn_layers, greedy_scores, group_scores,
+                                     kept_groups_of, kept_layers, layer_groups)
 from taylor_calibrate.qwen3_5 import check_qwen3_form, fit_qk_norm, qwen3_form, target_gdn
-from taylor_calibrate.policy import SCORED, bypass_scores, gdn_layers, greedy_scores, kept_layers
-from taylor_calibrate.stats import attention_targets, collect_stats, store_device_for
+from taylor_calibrate.retrieval import answer_scores, calibration_probes, eval_probes, probe_length
+from taylor_calibrate.stats import attention_targets, collect_stats, retrieval_heads, store_device_for
 from taylor_calibrate.teacher import Teacher, load_teacher, resolve_device, resolve_dtype
+
+log = logging.getLogger("taylor_calibrate")
 
 
 def _count(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def retrieval_probes(args, teacher: Teacher):
+    """(length, evaluation probes) for the retrieval report; with a context too short for them, the policies that
+    select by retrieval fail, the others report no retrieval (logged)."""
+    try:
+        length = probe_length(args.data.seq_len, teacher.model.config)
+        while True:  # a tokenizer with many tokens per word needs longer prompts: double up to the context
+            try:
+                return length, eval_probes(teacher.tokenizer, length, args.probe_samples)
+            except ValueError:
+                longer = probe_length(2 * length, teacher.model.config)
+                if longer == length:
+                    raise
+                length = longer
+    except ValueError as e:
+        if args.policy in RETRIEVAL:
+            raise ValueError(f"policy {args.policy!r} scores heads on retrieval probes, which do not fit: {e}") from e
+        log.warning("no retrieval report: %s", e)
+        return None, []
 
 
 def run_convert(args: ConvertArgs) -> dict:
@@ -37,10 +62,11 @@ def run_convert(args: ConvertArgs) -> dict:
     return convert_loaded(args, teacher, t0)
 
 
-def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None, save: bool = True) -> dict:
+def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None, save: bool = True,
+                   return_model: bool = False):
     """The convert stage from a loaded teacher on (an in-memory one works too: benchmarks/perf_scale.py times
     random-weight teachers this way). `t0`: when the command started (load_teacher_s = time until now); `save=False`
-    skips writing the model and report.json and returns the report."""
+    skips writing the model and report.json; `return_model` returns (report, hybrid) instead of the report."""
     t0 = time.perf_counter() if t0 is None else t0
     times = {}
     device = resolve_device(args.device)
@@ -58,8 +84,9 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         adapt = teacher.model.config.model_type != "qwen3"
 
     n = teacher.model.config.num_hidden_layers
-    if args.policy not in SCORED:
-        kept = kept_layers(args.policy, n, args.keep_every)
+    kv = teacher.model.config.num_key_value_heads
+    if args.policy not in SCORED + RETRIEVAL:
+        kept = kept_layers(args.policy, n, args.keep_every, kv_budget=args.kv_budget)
     times["load_teacher_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
@@ -69,14 +96,30 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
 
     t = time.perf_counter()
     teacher_eval = perplexity(teacher.model, splits.heldout, args.eval_batch_size, desc="teacher ppl")
+    probe_len, probes = retrieval_probes(args, teacher)
+    teacher_retrieval = answer_scores(teacher.model, probes) if probes else None
     times["teacher_eval_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    scores = None
+    scores, kept_groups = None, None
     if args.policy == "bypass":
         scores = bypass_scores(teacher.model, splits.calib[:4], args.eval_batch_size)
-        kept = kept_layers(args.policy, n, args.keep_every, scores)
-    candidates = list(range(n)) if args.policy == "greedy" else gdn_layers(kept, n)
+        kept = kept_layers(args.policy, n, args.keep_every, scores, args.kv_budget)
+    elif args.policy in RETRIEVAL:  # calibration needles in a calibration haystack: never the evaluation prompts
+        words = tuple(teacher.tokenizer.decode(splits.calib[:8].flatten()).split())
+        long = probe_length(4 * probe_len, teacher.model.config)  # retrieval heads far back too, not only near
+        heads = retrieval_heads(teacher.model, [p for length in dict.fromkeys([probe_len, long])
+                                                for p in calibration_probes(teacher.tokenizer, words, length=length,
+                                                                            samples=args.probe_samples)])
+        groups = group_scores(heads, kv)
+        scores = groups.tolist()
+        if args.policy == "heads":
+            kept_groups = kept_groups_of(groups, args.keep_every, args.kv_budget)
+            kept = [i for i, g in kept_groups.items() if len(g) == kv]
+        else:
+            kept = kept_layers(args.policy, n, args.keep_every, groups.sum(1).tolist(), args.kv_budget)
+    candidates = list(range(n)) if args.policy == "greedy" else (
+        [i for i, g in kept_groups.items() if len(g) < kv] if kept_groups else gdn_layers(kept, n))
     stats = None
     stored = sorted(set(candidates) | set(kept if adapt and args.policy != "greedy" else []))
     if args.init != "copy" or args.align or args.policy == "greedy" or adapt:
@@ -86,11 +129,14 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     times["stats_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    mixers, p1 = calibrated_mixers(teacher.model, stats, candidates, args.init, args.calib, args.gdn, backend, args.seed)
+    mixers, p1 = calibrated_mixers(teacher.model, stats, candidates, args.init, args.calib, args.gdn, backend, args.seed,
+                                   kept_groups)
     if args.policy == "greedy":
         scores = greedy_scores(teacher.model, mixers, splits.calib[:4], args.eval_batch_size)
-        kept = kept_layers(args.policy, n, args.keep_every, scores)
-    converted = gdn_layers(kept, n)
+        kept = kept_layers(args.policy, n, args.keep_every, scores, args.kv_budget)
+    kept_groups = kept_groups or layer_groups(kept, n, kv)
+    converted = [i for i in range(n) if len(kept_groups[i]) < kv]
+    headwise = {i: kept_groups[i] for i in converted if kept_groups[i]}
     mixers = {i: mixers[i] for i in converted}
     if stats is not None:  # greedy stored every layer's rows; phase 2 reads only the converted ones
         for i in set(candidates) - set(converted) - set(kept if adapt else []):
@@ -102,7 +148,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     if args.align:
         for m in mixers.values():
             m.backend = train_backend
-        targets = attention_targets(teacher.model, stats, converted, release=True)
+        targets = attention_targets(teacher.model, stats, converted, release=True, kept_groups=headwise)
         p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets, args.phase2)
     times["phase2_s"] = time.perf_counter() - t
 
@@ -119,10 +165,12 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
             p2_attention = align_attention(attns, {i: stats.inputs[i] for i in kept}, targets, args.phase2)
     times["target_s"] = time.perf_counter() - t
 
-    hybrid = convert_teacher(form, converted, args.gdn, teacher_name=args.teacher, mixers=mixers)
+    hybrid = convert_teacher(form, converted, args.gdn, teacher_name=args.teacher, mixers=mixers,
+                             kept_groups=headwise)
     hybrid.set_backend(backend)
     t = time.perf_counter()
     hybrid_eval = perplexity(hybrid, splits.heldout, args.eval_batch_size, desc="hybrid ppl")
+    hybrid_retrieval = answer_scores(hybrid, probes) if probes else None
     times["hybrid_eval_s"] = time.perf_counter() - t
 
     report = {
@@ -133,9 +181,13 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         "layer_types": list(hybrid.config.layer_types),
         "kept_layers": kept,
         "gdn_layers": converted,
+        "headwise_kept_groups": {str(i): g for i, g in headwise.items()},
+        "kv_fraction": sum(len(g) for g in kept_groups.values()) / (n * kv),
         "policy_scores": scores,
         "teacher_ppl": teacher_eval["ppl"],
         "hybrid_ppl": hybrid_eval["ppl"],
+        "retrieval": probes and {"teacher": teacher_retrieval, "hybrid": hybrid_retrieval, "probes": len(probes),
+                                 "length": probe_len},
         "eval_tokens": hybrid_eval["tokens"],
         "calib_tokens": int(splits.calib.numel()),
         "phase1": p1,
@@ -161,7 +213,14 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
 
     init = f"{args.init}{' + align' if args.align else ''}"
     print(f"\nconverted {args.teacher}: {len(converted)} of {n} layers -> GDN ({args.policy}), kept attention {kept}")
-    rows = [("teacher ppl", f"{teacher_eval['ppl']:.3f}"), (f"hybrid ppl ({init})", f"{hybrid_eval['ppl']:.3f}")]
+    rows = [("teacher ppl", f"{teacher_eval['ppl']:.3f}"), (f"hybrid ppl ({init})", f"{hybrid_eval['ppl']:.3f}"),
+            ("KV cache kept", f"{report['kv_fraction']:.1%} of the teacher's" + (f" (head-wise layers {sorted(headwise)})"
+                                                                                 if headwise else ""))]
+    if probes:
+        rows += [(f"retrieval answer log-prob teacher / hybrid ({len(probes)} probes, {probe_len} tokens)",
+                  f"{teacher_retrieval['logprob']:.2f} / {hybrid_retrieval['logprob']:.2f} nats"),
+                 ("retrieval answer exact, teacher-forced: teacher / hybrid",
+                  f"{teacher_retrieval['acc']:.2f} / {hybrid_retrieval['acc']:.2f}")]
     if p2 is not None:
         rows.append(("align rel-MSE before -> after", f"{p2['mean_rel_mse_before']:.3f} -> {p2['mean_rel_mse_after']:.3f}"))
     if p2_attention is not None:
@@ -175,4 +234,5 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         ("wall time", f"{report['wall_s']:.1f} s"),
         ("output", str(Path(args.out) / REPORT) if save else "(not saved)"),
     ])
+    return (report, hybrid) if return_model else report
     return report

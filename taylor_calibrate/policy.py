@@ -16,7 +16,10 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-SCORED = ("bypass", "greedy")
+SCORED = ("bypass", "greedy", "retrieval")
+RETRIEVAL = ("retrieval", "heads")
+"""Policies scored on retrieval probes: `retrieval` keeps the layers whose heads put the most attention on the needle
+when the teacher answers; `heads` keeps the KV groups that do (head-wise: a layer can keep some groups)."""
 SCORE_RESOLUTION = 0.01
 """Scores (log-perplexities, nats) are ranked rounded to this, equal ones in layer order: a GPU's run-to-run rounding
 can move two nearly equal scores past each other between two runs, and with them the kept layers. (Two scores that
@@ -50,20 +53,42 @@ def parse_layer_list(text: str, num_layers: int) -> list[int]:
     return sorted(kept)
 
 
-def kept_layers(policy: str, num_layers: int, keep_every: int = 4, scores: list[float] | None = None) -> list[int]:
+def kept_count(units: int, keep_every: int, kv_budget: float | None = None) -> int:
+    """How many of `units` (layers, or KV groups) stay attention: at most the fraction `kv_budget` of them (at least
+    one), or one in `keep_every` rounded up."""
+    if kv_budget is None:
+        return len(uniform_kept(units, keep_every))
+    if not 0 < kv_budget < 1:
+        raise ValueError(f"kv_budget={kv_budget} must be a fraction of the teacher's KV cache in (0, 1)")
+    return max(1, math.floor(kv_budget * units + 1e-9))
+
+
+def spread(num_layers: int, k: int) -> list[int]:
+    """k layers spread evenly from layer 0."""
+    return sorted({math.floor(i * num_layers / k) for i in range(k)})
+
+
+def ranked(scores, k: int) -> list:
+    """The k highest-scoring keys of `scores` ({key: score}), scores rounded to SCORE_RESOLUTION, ties in key order."""
+    order = sorted(scores, key=lambda i: (-round(scores[i] / SCORE_RESOLUTION), i))
+    return sorted(order[:k])
+
+
+def kept_layers(policy: str, num_layers: int, keep_every: int = 4, scores: list[float] | None = None,
+                kv_budget: float | None = None) -> list[int]:
     """Resolve a policy to the list of kept attention layers (`scores` for the scored policies: higher = keep)."""
+    k = kept_count(num_layers, keep_every, kv_budget)
     if policy == "uniform":
-        kept = uniform_kept(num_layers, keep_every)
+        kept = uniform_kept(num_layers, keep_every) if kv_budget is None else spread(num_layers, k)
     elif policy in SCORED:
         if scores is None or len(scores) != num_layers:
             raise ValueError(f"policy {policy!r} needs one score per layer ({num_layers})")
-        k = len(uniform_kept(num_layers, keep_every))
-        ranked = sorted(range(num_layers), key=lambda i: (-round(scores[i] / SCORE_RESOLUTION), i))
-        kept = sorted(ranked[:k])
+        kept = ranked(dict(enumerate(scores)), k)
     elif policy.startswith("layers="):
         kept = parse_layer_list(policy[len("layers="):], num_layers)
     else:
-        raise ValueError(f"unknown layer policy {policy!r}; use uniform, bypass, greedy or layers=0,4,8")
+        raise ValueError(f"unknown layer policy {policy!r}; use uniform, bypass, greedy, retrieval, heads or "
+                         "layers=0,4,8")
     if len(kept) == num_layers:
         raise ValueError(f"policy {policy!r} keeps all {num_layers} layers as attention: nothing would be converted")
     if not kept:
@@ -114,3 +139,24 @@ def greedy_scores(teacher, mixers: dict, tokens: torch.Tensor, batch_size: int =
         with swapped_into(teacher, {j: m for j, m in mixers.items() if j != i}):
             scores.append(-_nll(teacher, tokens, batch_size))
     return [s if math.isfinite(s) else -1e30 for s in scores]
+
+
+def group_scores(head_scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(layers, query heads) -> (layers, KV groups): a group's score is the sum of its query heads' (a group is kept
+    or converted whole: its KV is cached for all of its query heads)."""
+    L, H = head_scores.shape
+    return head_scores.reshape(L, num_kv_heads, H // num_kv_heads).sum(-1)
+
+
+def kept_groups_of(scores: torch.Tensor, keep_every: int, kv_budget: float | None = None) -> dict[int, list[int]]:
+    """Head-wise policy: the highest-scoring KV groups over all layers, as many as the budget allows;
+    {layer: [kept groups]} for every layer ([] = converted whole, all groups = kept whole)."""
+    L, G = scores.shape
+    flat = {(i, g): float(scores[i, g]) for i in range(L) for g in range(G)}
+    top = ranked(flat, kept_count(L * G, keep_every, kv_budget))
+    return {i: [g for (j, g) in top if j == i] for i in range(L)}
+
+
+def layer_groups(kept: list[int], num_layers: int, num_kv_heads: int) -> dict[int, list[int]]:
+    """A layer-wise choice in head-wise form: every group of a kept layer, none of the others."""
+    return {i: list(range(num_kv_heads)) if i in set(kept) else [] for i in range(num_layers)}

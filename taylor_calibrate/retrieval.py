@@ -85,9 +85,10 @@ def prose_words() -> tuple[str, ...]:
     return tuple(words)
 
 
-def _haystack(task: str, n: int) -> list[str]:
-    """The first n words of the task's haystack (cycled when the source is shorter)."""
-    src = FILLER.split() if task == "passkey" else prose_words()
+def _haystack(task: str, n: int, words: tuple[str, ...] | None = None) -> list[str]:
+    """The first n words of the task's haystack (cycled when the source is shorter): `words` when given (the
+    calibration prompts' text), else the evaluation haystack (prose for single / multikey, filler for passkey)."""
+    src = words or (FILLER.split() if task == "passkey" else prose_words())
     return [src[i % len(src)] for i in range(n)]
 
 
@@ -158,8 +159,10 @@ def most_that_fit(count, budget: int, fixed: int) -> int:
     return lo
 
 
-def make_sample(task: str, tokenizer, length: int, depth: float, rng: random.Random, max_new_tokens: int = 16) -> Sample:
-    """One prompt of `length - max_new_tokens` tokens (at most, and `tolerance` fewer at least)."""
+def make_sample(task: str, tokenizer, length: int, depth: float, rng: random.Random, max_new_tokens: int = 16,
+                words: tuple[str, ...] | None = None) -> Sample:
+    """One prompt of `length - max_new_tokens` tokens (at most, and `tolerance` fewer at least); `words`: another
+    haystack text (see `_haystack`)."""
     if task not in TASKS:
         raise ValueError(f"unknown NIAH task {task!r}; choose from {TASKS}")
     budget = length - max_new_tokens
@@ -168,9 +171,9 @@ def make_sample(task: str, tokenizer, length: int, depth: float, rng: random.Ran
     if fixed > budget:
         raise ValueError(f"NIAH length {length} is too short: the {task} question and needles alone take {fixed} "
                          f"tokens (+ {max_new_tokens} to generate); use a length >= {fixed + max_new_tokens + 32}")
-    n = most_that_fit(lambda n: _num_tokens(tokenizer, template.format(context=_insert(_haystack(task, n), needles))),
-                      budget, fixed)
-    prompt = template.format(context=_insert(_haystack(task, n), needles))
+    n = most_that_fit(lambda n: _num_tokens(tokenizer, template.format(context=_insert(_haystack(task, n, words),
+                                                                                              needles))), budget, fixed)
+    prompt = template.format(context=_insert(_haystack(task, n, words), needles))
     return Sample(task=task, length=length, prompt=prompt, answer=answer, depth=depth, needle=needle)
 
 
@@ -179,10 +182,11 @@ def depths(samples: int) -> list[float]:
     return [0.5] if samples == 1 else [i / (samples - 1) for i in range(samples)]
 
 
-def make_samples(task: str, tokenizer, length: int, samples: int, seed: int = 0, max_new_tokens: int = 16) -> list[Sample]:
+def make_samples(task: str, tokenizer, length: int, samples: int, seed: int = 0, max_new_tokens: int = 16,
+                 words: tuple[str, ...] | None = None) -> list[Sample]:
     """`samples` prompts of one task and length; the same arguments always give the same prompts."""
     rng = random.Random(f"niah:{seed}:{task}:{length}")  # str seeds are hashed with sha512: stable across runs
-    return [make_sample(task, tokenizer, length, d, rng, max_new_tokens) for d in depths(samples)]
+    return [make_sample(task, tokenizer, length, d, rng, max_new_tokens, words) for d in depths(samples)]
 
 
 @torch.no_grad()
@@ -243,3 +247,91 @@ def niah_scores(model, tokenizer, tasks=TASKS, lengths=LENGTHS, samples: int = 2
             scores[task][str(n)] = accuracy(model, tokenizer, batch, max_new_tokens, batch_size, bar)
     model.train(was_training)
     return scores
+
+
+# --- teacher-forced retrieval score: cheap enough to drive layer and head selection -----------------------------
+CALIB_SEED = 1_000_003
+"""Seed of the calibration probes; evaluation uses --niah_seed (0 by default): different needles, and calibration
+probes also read a different haystack (the calibration documents), so selection never sees an evaluation prompt."""
+
+
+@dataclass
+class Probe:
+    """A retrieval prompt followed by its answer, as token ids: `answer` are the positions of the answer's tokens
+    (predicted from the position before each), `needle` the positions of the answer's tokens inside the needle."""
+
+    task: str
+    ids: list[int]
+    answer: list[int]
+    needle: list[int]
+
+
+def _token_positions(offsets, spans) -> list[int]:
+    """Positions of the tokens whose character range overlaps one of `spans` (special tokens have empty ranges)."""
+    return [i for i, (a, b) in enumerate(offsets) if b > a and any(b > s and a < e for s, e in spans)]
+
+
+def make_probe(sample: Sample, tokenizer) -> Probe:
+    """Tokenise prompt + " " + answer once (so the answer's tokens are the ones the model would read) and locate the
+    answer tokens and the needle's copy of them."""
+    text = sample.prompt + " " + sample.answer
+    enc = tokenizer(text, return_offsets_mapping=True)
+    start = len(sample.prompt) + 1
+    at = sample.prompt.index(sample.needle)
+    spans = [(at + m.start(), at + m.end()) for m in re.finditer(re.escape(sample.answer), sample.needle)]
+    answer = _token_positions(enc["offset_mapping"], [(start, len(text))])
+    needle = _token_positions(enc["offset_mapping"], spans)
+    if not answer or not needle or answer[0] == 0:
+        raise ValueError(f"cannot locate the answer tokens of a {sample.task} probe: the tokenizer gives no offsets")
+    return Probe(task=sample.task, ids=list(enc["input_ids"]), answer=answer, needle=needle)
+
+
+def calibration_probes(tokenizer, words: tuple[str, ...], tasks=TASKS, length: int = 1024, samples: int = 8,
+                       seed: int = CALIB_SEED) -> list[Probe]:
+    """Retrieval probes for selection: `samples` per task at `length` tokens, needles at evenly spread depths, in a
+    haystack of `words` (the calibration documents), with needles from `seed`."""
+    return [make_probe(s, tokenizer) for t in tasks for s in make_samples(t, tokenizer, length, samples, seed,
+                                                                       words=words)]
+
+
+PROBE_MIN_LENGTH = 256
+"""Shortest retrieval probe: room for multikey's four needles and question, and some haystack between them."""
+
+
+def probe_length(seq_len: int, config) -> int:
+    """Probes are as long as the calibration rows, at least PROBE_MIN_LENGTH tokens, at most the model's context."""
+    max_pos = getattr(config, "max_position_embeddings", None) or seq_len
+    if max_pos < PROBE_MIN_LENGTH:
+        raise ValueError(f"retrieval probes need a context of at least {PROBE_MIN_LENGTH} tokens; this model's "
+                         f"max_position_embeddings is {max_pos}")
+    return min(max(seq_len, PROBE_MIN_LENGTH), max_pos)
+
+
+def eval_probes(tokenizer, length: int, samples: int = 8, tasks=TASKS, seed: int = 0) -> list[Probe]:
+    """Retrieval probes for reporting: the evaluation haystack and needles (as `niah_scores` with the same seed)."""
+    return [make_probe(s, tokenizer) for t in tasks for s in make_samples(t, tokenizer, length, samples, seed)]
+
+
+@torch.no_grad()
+def answer_scores(model, probes: list[Probe]) -> dict:
+    """Teacher-forced retrieval score: per probe the answer's summed log-probability (nats) and whether every answer
+    token is the argmax; their means overall and per task. One forward per probe, no generation."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    logprob, correct = [], []
+    for p in probes:
+        ids = torch.tensor([p.ids], device=device)
+        rows = torch.tensor(p.answer, device=device) - 1  # the positions that predict the answer's tokens
+        logits = model(input_ids=ids, use_cache=False).logits[0, rows].float()
+        target = ids[0, rows + 1]
+        lp = torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0]
+        logprob.append(float(lp.sum()))
+        correct.append(bool((logits.argmax(-1) == target).all()))
+    model.train(was_training)
+    out = {"logprob": sum(logprob) / len(probes), "acc": sum(correct) / len(probes), "tasks": {}}
+    for task in dict.fromkeys(p.task for p in probes):
+        idx = [i for i, p in enumerate(probes) if p.task == task]
+        out["tasks"][task] = {"logprob": sum(logprob[i] for i in idx) / len(idx),
+                              "acc": sum(correct[i] for i in idx) / len(idx)}
+    return out

@@ -13,6 +13,7 @@ live in ops/ (attention_stats_torch.py: PyTorch, attention_stats_triton.py: one 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -150,7 +151,7 @@ class _Collector:
         return layers
 
 
-_ACTIVE: _Collector | None = None
+_ACTIVE = None  # the collector the attention function below feeds (a _Collector or a _NeedleProbe)
 
 
 def _stats_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -234,15 +235,33 @@ def _joined(chunks: dict[int, list]) -> dict[int, torch.Tensor]:
     return out
 
 
-def attention_targets(teacher, stats: TeacherStats, layers, release: bool = False) -> dict[int, torch.Tensor]:
-    """Teacher attention output after W_O for each layer: the phase 2 target (docs/method.md, "Phase 2: alignment").
-    `release` drops each layer's stored head outputs once its target exists (phase 1 was their last reader), so the two
-    never coexist for more than one layer."""
+def head_columns(config, kept: list[int] | None) -> torch.Tensor | None:
+    """Columns of a layer's head outputs (H*D) that belong to its GDN heads when KV groups `kept` stay attention
+    (None: no group kept, the layer is converted whole)."""
+    if not kept:
+        return None
+    from taylor_calibrate.model.hybrid import converted_heads
+
+    D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return torch.tensor([h * D + j for h in converted_heads(config, kept) for j in range(D)])
+
+
+def attention_targets(teacher, stats: TeacherStats, layers, release: bool = False,
+                      kept_groups: dict[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
+    """Teacher attention output after W_O for each layer: the phase 2 target (docs/method.md, "Phase 2: alignment");
+    of a head-wise layer (`kept_groups`), the part its GDN heads carry: their columns of W_O, no bias (the kept heads
+    add the rest exactly). `release` drops each layer's stored head outputs once its target exists (phase 1 was their
+    last reader), so the two never coexist for more than one layer."""
     out = {}
     for i in layers:
         o_proj = teacher.model.layers[i].self_attn.o_proj
         y = stats.head_outputs.pop(i) if release else stats.head_outputs[i]
-        out[i] = torch.nn.functional.linear(y.to(o_proj.weight), o_proj.weight, o_proj.bias).to(y.device)
+        cols = head_columns(teacher.config, (kept_groups or {}).get(i))
+        if cols is None:
+            out[i] = torch.nn.functional.linear(y.to(o_proj.weight), o_proj.weight, o_proj.bias).to(y.device)
+        else:
+            w = o_proj.weight[:, cols.to(o_proj.weight.device)]
+            out[i] = torch.nn.functional.linear(y[..., cols.to(y.device)].to(w), w).to(y.device)
     return out
 
 
@@ -263,3 +282,50 @@ def store_device_for(model, rows: int, seq: int, layers, device: torch.device) -
     log.info("calibration rows of %d layers need %.1f GB, more than half the GPU's free %.1f GB: stored in host "
              "memory", len(layers), need / 2 ** 30, free / 2 ** 30)
     return torch.device("cpu")
+
+
+# --- retrieval heads: where the teacher looks when it copies a needle ---------------------------------------------
+class _NeedleProbe:
+    """Per layer and query head, the attention mass that the positions predicting a retrieval answer put on the
+    needle's copy of that answer (a copy / retrieval head puts most of it there). Set `rows` and `keys` per probe."""
+
+    def __init__(self):
+        self.inputs, self.store_device = {}, "cpu"  # _collecting's interface; nothing is stored
+        self.rows = self.keys = None
+        self.sums: dict[int, torch.Tensor] = {}
+
+    def observe(self, module, query, key, out, scaling, window, softcap):
+        q = query[:, :, self.rows].float()  # (B, H, r, D)
+        k = key.float().repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # GQA -> (B, H, T, D)
+        s = q @ k.transpose(-1, -2) * scaling  # (B, H, r, T)
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        pos = torch.arange(k.shape[2], device=s.device)
+        visible = pos[None, :] <= self.rows[:, None]
+        if window is not None:
+            visible &= pos[None, :] > self.rows[:, None] - window
+        p = s.masked_fill(~visible, float("-inf")).softmax(-1)
+        mass = p[..., self.keys].sum(-1).mean(-1).sum(0)  # (H,)
+        self.sums[module.layer_idx] = self.sums.get(module.layer_idx, 0) + mass
+
+
+@torch.no_grad()
+def retrieval_heads(model, probes) -> torch.Tensor:
+    """(layers, query heads): mean over `probes` (retrieval.Probe) of the attention mass from the positions that
+    predict the answer onto the needle's answer tokens, in the teacher's own attention (RoPE, windows, softcap)."""
+    probe = _NeedleProbe()
+    device = next(model.parameters()).device
+    with _collecting(model, probe):
+        for p in tqdm(probes, desc="retrieval heads", leave=False):
+            probe.rows = torch.tensor(p.answer, device=device) - 1
+            probe.keys = torch.tensor(p.needle, device=device)
+            model(input_ids=torch.tensor([p.ids], device=device), use_cache=False, logits_to_keep=1)
+    n = model.config.num_hidden_layers
+    return torch.stack([probe.sums[i].cpu() for i in range(n)]) / len(probes)
+
+
+def head_subset(st: LayerStats, heads: list[int]) -> LayerStats:
+    """A layer's statistics restricted to some of its query heads (for the GDN heads of a head-wise layer)."""
+    idx = torch.tensor(heads)
+    kw = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
+    return LayerStats(**{k: v[idx] if isinstance(v, torch.Tensor) else v for k, v in kw.items()})

@@ -8,6 +8,7 @@ Auto* factories, so `AutoModelForCausalLM.from_pretrained(out_dir)` works withou
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 
 import torch
@@ -16,7 +17,7 @@ from transformers import AutoConfig, AutoModel, DynamicCache, GenerationMixin, P
 from transformers.initialization import no_init_weights
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from taylor_calibrate.config import ATTENTION_TYPES, GDN_TYPE, GDNConfig, HybridConfig, gdn_dict
+from taylor_calibrate.config import ATTENTION_TYPES, GDN_TYPE, HEADWISE_TYPES, GDNConfig, HybridConfig, gdn_dict
 from taylor_calibrate.model.gdn import GatedDeltaNet, copy_attention_weights, init_recurrent_defaults
 from taylor_calibrate.ops import resolve_backend
 
@@ -39,23 +40,90 @@ def teacher_layer_types(teacher_config) -> list[str]:
     return types
 
 
-def make_hybrid_config(teacher_config, gdn_layers: list[int], gdn: GDNConfig, teacher_name: str | None = None):
+def make_hybrid_config(teacher_config, gdn_layers: list[int], gdn: GDNConfig, teacher_name: str | None = None,
+                       kept_groups: dict[int, list[int]] | None = None):
+    """`kept_groups`: for head-wise layers among `gdn_layers`, the KV groups that stay softmax attention."""
     types = teacher_layer_types(teacher_config)
+    kept_groups = {i: sorted(g) for i, g in (kept_groups or {}).items() if g and i in gdn_layers}
     for i in gdn_layers:
-        types[i] = GDN_TYPE
+        types[i] = HEADWISE_TYPES[types[i]] if i in kept_groups else GDN_TYPE
     base = teacher_config.to_dict()
     base.pop("quantization_config", None)  # GGUF teachers are dequantised on load
     for k in ("architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype"):
         base.pop(k, None)
     return HybridConfig(base_config=base, layer_types=types, gdn=gdn_dict(gdn), teacher_name=teacher_name,
+                        attention_heads={str(i): g for i, g in kept_groups.items()} or None,
                         architectures=["HybridForCausalLM"])
 
 
-def _new_gdn(base, gdn_cfg: GDNConfig, layer_idx: int, attn: nn.Module) -> GatedDeltaNet:
-    head_dim = getattr(base, "head_dim", None) or base.hidden_size // base.num_attention_heads
-    return GatedDeltaNet(base.hidden_size, base.num_attention_heads, head_dim, gdn_cfg, layer_idx,
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def group_heads(cfg, groups: list[int]) -> list[int]:
+    """The query heads that read KV groups `groups` (GQA: query head h reads group h // (heads / kv_heads))."""
+    per = cfg.num_attention_heads // cfg.num_key_value_heads
+    return [g * per + j for g in sorted(groups) for j in range(per)]
+
+
+def converted_heads(cfg, kept: list[int]) -> list[int]:
+    """Query heads of a layer that become GDN heads when the KV groups `kept` stay attention."""
+    return group_heads(cfg, [g for g in range(cfg.num_key_value_heads) if g not in set(kept)])
+
+
+def _new_gdn(base, gdn_cfg: GDNConfig, layer_idx: int, attn: nn.Module, kept: list[int] = ()) -> GatedDeltaNet:
+    """The GDN mixer of a converted layer; head-wise (`kept` groups stay attention) it holds the other heads only,
+    and the o_proj bias stays with the attention part."""
+    heads = len(converted_heads(base, kept))
+    return GatedDeltaNet(base.hidden_size, heads, _head_dim(base), gdn_cfg, layer_idx,
                          qkv_bias=gdn_cfg.bias and attn.q_proj.bias is not None,
-                         o_bias=gdn_cfg.bias and attn.o_proj.bias is not None)
+                         o_bias=gdn_cfg.bias and attn.o_proj.bias is not None and not kept)
+
+
+@torch.no_grad()
+def attention_part(attn: nn.Module, config, groups: list[int], o_bias: bool = True) -> nn.Module:
+    """The teacher's own attention module restricted to KV groups `groups` (their query heads, keys, values and
+    W_O columns): same class, so RoPE, q/k norms, windows and softcap behave as the teacher's. `o_bias=False` leaves
+    W_O's bias out (for a GDN mixer copied from the part; the bias stays with the kept heads)."""
+    cfg = copy.deepcopy(config)
+    D = _head_dim(config)
+    q = torch.tensor(group_heads(config, groups))
+    kv = torch.tensor(sorted(groups))
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = len(q), len(kv), D
+    w = attn.q_proj.weight
+    with torch.device(w.device):
+        part = type(attn)(cfg, attn.layer_idx).to(w.dtype)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+    for name, heads in rows.items():
+        src, dst = getattr(attn, name), getattr(part, name)
+        dst.weight.copy_(src.weight.view(-1, D, src.weight.shape[1])[heads].flatten(0, 1))
+        if src.bias is not None:
+            dst.bias.copy_(src.bias.view(-1, D)[heads].flatten())
+    part.o_proj.weight.copy_(attn.o_proj.weight.view(attn.o_proj.weight.shape[0], -1, D)[:, q].flatten(1))
+    if attn.o_proj.bias is not None:
+        if o_bias:
+            part.o_proj.bias.copy_(attn.o_proj.bias)
+        else:
+            part.o_proj.bias = None
+    for name, module in attn.named_children():  # q/k norms (Qwen3, Gemma 3) act per head, shared by heads
+        if name not in rows and name != "o_proj":
+            part.get_submodule(name).load_state_dict(module.state_dict())
+    return part
+
+
+class HeadwiseMixer(nn.Module):
+    """A layer converted head-wise: the kept KV groups stay the teacher's softmax attention (KV cached for them
+    only), the other query heads are one GDN mixer. W_O is linear in the heads, so the layer's output is the sum of
+    the two parts' outputs, each through its own columns of W_O."""
+
+    def __init__(self, attn: nn.Module, gdn: GatedDeltaNet):
+        super().__init__()
+        self.attn, self.gdn = attn, gdn
+
+    def forward(self, hidden_states, **kwargs):
+        a, weights = self.attn(hidden_states, **kwargs)
+        g, _ = self.gdn(hidden_states, **kwargs)
+        return a + g, weights
 
 
 class HybridPreTrainedModel(PreTrainedModel):
@@ -83,14 +151,17 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.model = AutoModel.from_config(base, attn_implementation=config._attn_implementation)
         gdn_cfg = config.gdn_config
         for i in config.gdn_layers:
-            layer = self.model.layers[i]
-            layer.self_attn = _new_gdn(base, gdn_cfg, i, layer.self_attn)
+            layer, kept = self.model.layers[i], config.kept_groups(i)
+            gdn = _new_gdn(base, gdn_cfg, i, layer.self_attn, kept)
+            layer.self_attn = HeadwiseMixer(attention_part(layer.self_attn, base, kept), gdn) if kept else gdn
         self.lm_head = nn.Linear(base.hidden_size, base.vocab_size, bias=False)
         self.post_init()
 
     @property
     def gdn_mixers(self) -> dict[int, GatedDeltaNet]:
-        return {i: self.model.layers[i].self_attn for i in self.config.gdn_layers}
+        """The GDN mixer of every converted layer (of a head-wise layer: its GDN part)."""
+        mixers = {i: self.model.layers[i].self_attn for i in self.config.gdn_layers}
+        return {i: getattr(m, "gdn", m) for i, m in mixers.items()}
 
     def set_backend(self, backend: str) -> str:
         """Resolve the GDN kernel backend once (logged) and use it in every GDN layer."""
@@ -132,17 +203,23 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
 
 
 @torch.no_grad()
-def make_mixers(teacher: PreTrainedModel, layers: list[int], gdn: GDNConfig, seed: int = 0) -> dict[int, GatedDeltaNet]:
-    """Copy-only GDN mixers for `layers` of `teacher` (docs/method.md, "Weight transfer"): W_Q, W_K, W_V, W_O (GQA
-    repeated), library-default recurrent parameters. They sit on the teacher's device and dtype."""
+def make_mixers(teacher: PreTrainedModel, layers: list[int], gdn: GDNConfig, seed: int = 0,
+                kept_groups: dict[int, list[int]] | None = None) -> dict[int, GatedDeltaNet]:
+    """Copy-only GDN mixers for `layers` of `teacher` (docs/method.md, "Weight transfer"): W_Q, W_K, W_V, W_O (GQA repeated),
+    library-default recurrent parameters; a head-wise layer's mixer (`kept_groups`) holds its converted heads only.
+    They sit on the teacher's device and dtype."""
     tcfg = teacher.config
     param = next(teacher.parameters())
     mixers = {}
     for i in layers:
-        attn = teacher.model.layers[i].self_attn
+        attn, kept = teacher.model.layers[i].self_attn, (kept_groups or {}).get(i, [])
         with torch.device(param.device):
-            mixer = _new_gdn(tcfg, gdn, i, attn).to(param.dtype)
-        copy_attention_weights(mixer, attn, tcfg.num_key_value_heads)
+            mixer = _new_gdn(tcfg, gdn, i, attn, kept).to(param.dtype)
+        num_kv = tcfg.num_key_value_heads
+        if kept:
+            rest = [g for g in range(num_kv) if g not in set(kept)]
+            attn, num_kv = attention_part(attn, tcfg, rest, o_bias=False), len(rest)
+        copy_attention_weights(mixer, attn, num_kv)
         init_recurrent_defaults(mixer, torch.Generator().manual_seed(seed * 1000 + i))
         mixers[i] = mixer
     return mixers
@@ -177,11 +254,12 @@ def copy_buffers(src: nn.Module, dst: nn.Module) -> None:
 
 
 def convert_teacher(teacher: PreTrainedModel, gdn_layers: list[int], gdn: GDNConfig, *, teacher_name: str | None = None,
-                    seed: int = 0, mixers: dict[int, GatedDeltaNet] | None = None) -> HybridForCausalLM:
+                    seed: int = 0, mixers: dict[int, GatedDeltaNet] | None = None,
+                    kept_groups: dict[int, list[int]] | None = None) -> HybridForCausalLM:
     """Build the hybrid: the teacher's weights everywhere, GDN mixers at `gdn_layers` (copy-only ones from
-    `make_mixers` unless calibrated `mixers` are given)."""
+    `make_mixers` unless calibrated `mixers` are given); `kept_groups` makes some of them head-wise."""
     tcfg = teacher.config
-    cfg = make_hybrid_config(tcfg, gdn_layers, gdn, teacher_name)
+    cfg = make_hybrid_config(tcfg, gdn_layers, gdn, teacher_name, kept_groups)
     cfg._attn_implementation = getattr(tcfg, "_attn_implementation", None) or "sdpa"
     param = next(teacher.parameters())
     with no_init_weights(), torch.device(param.device):
@@ -195,8 +273,12 @@ def convert_teacher(teacher: PreTrainedModel, gdn_layers: list[int], gdn: GDNCon
     hybrid.tie_weights()  # re-share lm_head and embeddings when the teacher ties them (load_state_dict copied both)
     copy_buffers(teacher, hybrid)
     if mixers is None:
-        mixers = make_mixers(teacher, gdn_layers, gdn, seed)
+        mixers = make_mixers(teacher, gdn_layers, gdn, seed, kept_groups)
     for i, mixer in hybrid.gdn_mixers.items():
         mixer.load_state_dict(mixers[i].state_dict())
+        kept = cfg.kept_groups(i)
+        if kept:
+            part = attention_part(teacher.model.layers[i].self_attn, tcfg, kept)
+            hybrid.model.layers[i].self_attn.attn.load_state_dict(part.state_dict())
     hybrid.eval()
     return hybrid

@@ -1,0 +1,161 @@
+"""The retrieval / perplexity trade-off of a conversion: for each KV budget x layer policy, the zero-shot hybrid's
+held-out perplexity, generation-based NIAH accuracy (single, multikey, passkey at several lengths) and teacher-forced
+answer log-probability, beside the teacher's. Writes JSON (+ a markdown table and a PNG plot) and prints the table.
+
+    python benchmarks/retrieval_tradeoff.py --teacher smollm2-135m --budgets 0.125 0.25 0.5 \\
+        --policies uniform bypass retrieval heads --out retrieval_smollm2.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from taylor_calibrate.config import ConvertArgs, apply_profile
+from taylor_calibrate.convert import convert_loaded
+from taylor_calibrate.retrieval import answer_scores, eval_probes, niah_scores
+from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+
+
+def _git(*cmd) -> str | None:
+    try:
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def provenance(a: argparse.Namespace) -> dict:
+    import transformers
+    try:
+        import fla
+        fla_version = getattr(fla, "__version__", "present")
+    except ImportError:
+        fla_version = None
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+            "command": "python " + shlex.join(sys.argv), "args": vars(a),
+            "env": {"python": platform.python_version(), "torch": torch.__version__,
+                    "transformers": transformers.__version__, "fla": fla_version,
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}}
+
+
+def niah_of(model, tokenizer, a) -> dict:
+    return niah_scores(model, tokenizer, tasks=a.tasks, lengths=a.lengths, samples=a.samples, seed=a.niah_seed,
+                       batch_size=a.niah_batch)
+
+
+def markdown(result: dict) -> str:
+    lengths = [str(n) for n in result["args"]["lengths"]]
+    tasks = result["args"]["tasks"]
+    head = "| policy | granularity | KV | PPL (x teacher) | answer log-prob (4K) | " + " | ".join(
+        f"{t} {n}" for t in tasks for n in lengths) + " |"
+    lines = [head, "|" + "---|" * (5 + len(tasks) * len(lengths))]
+
+    def row(name, gran, kv, ppl, ratio, lp, niah):
+        cells = [f"{niah[t][n]:.2f}" if niah[t][n] is not None else "-" for t in tasks for n in lengths]
+        lines.append(f"| {name} | {gran} | {kv} | {ppl:.3f} ({ratio:.2f}x) | {lp:.2f} | " + " | ".join(cells) + " |")
+
+    t = result["teacher"]
+    row("teacher", "-", "100%", t["ppl"], 1.0, t["answer_logprob"], t["niah"])
+    for r in result["rows"]:
+        row(r["policy"], r["granularity"], f"{r['kv_fraction']:.1%}", r["ppl"], r["ppl"] / t["ppl"],
+            r["answer_logprob"], r["niah"])
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    t = result["teacher"]
+
+    def mean_niah(niah):
+        vals = [v for cells in niah.values() for v in cells.values() if v is not None]
+        return sum(vals) / len(vals)
+
+    for policy in dict.fromkeys(r["policy"] for r in result["rows"]):
+        rows = sorted((r for r in result["rows"] if r["policy"] == policy), key=lambda r: r["kv_fraction"])
+        kv = [r["kv_fraction"] for r in rows]
+        ax1.plot(kv, [r["ppl"] / t["ppl"] for r in rows], "o-", label=policy)
+        ax2.plot(kv, [mean_niah(r["niah"]) for r in rows], "o-", label=policy)
+    ax2.axhline(mean_niah(t["niah"]), color="k", ls="--", label="teacher")
+    ax1.set(xlabel="KV cache kept (fraction of the teacher's)", ylabel="held-out PPL / teacher's", yscale="log")
+    ax2.set(xlabel="KV cache kept (fraction of the teacher's)", ylabel="NIAH accuracy (mean over cells)", ylim=(0, 1.05))
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"{result['args']['teacher']}: zero-shot conversions")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--teacher", default="smollm2-135m")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25, 0.5])
+    ap.add_argument("--policies", nargs="+", default=["uniform", "bypass", "retrieval", "heads"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="alignment seeds (each a row)")
+    ap.add_argument("--seed-policy", default="heads", help="the policy that --seeds repeats at --seed-budget")
+    ap.add_argument("--seed-budget", type=float, default=0.25)
+    ap.add_argument("--tasks", nargs="+", default=["single", "multikey", "passkey"])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--samples", type=int, default=20, help="NIAH prompts per cell")
+    ap.add_argument("--niah-seed", type=int, default=0)
+    ap.add_argument("--niah-batch", type=int, default=10)
+    ap.add_argument("--logprob-length", type=int, default=4096, help="length of the teacher-forced answer probes")
+    ap.add_argument("--profile", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--convert", default="", help="extra convert flags, e.g. '--phase2.steps 600'")
+    ap.add_argument("--out", default="retrieval_smollm2.json")
+    a = ap.parse_args()
+
+    from taylor_calibrate.cli import parse
+    _, base = parse(["convert", "--teacher", a.teacher, "--profile", a.profile, "--device", a.device,
+                     *shlex.split(a.convert)])
+    device = resolve_device(base.device)
+    teacher = load_teacher(base.teacher, device, resolve_dtype(base.dtype, device))
+    tok = teacher.tokenizer
+    long_probes = eval_probes(tok, a.logprob_length, samples=8, tasks=a.tasks)
+    t0 = time.perf_counter()
+    result = {"teacher": {"niah": niah_of(teacher.model, tok, a),
+                          "answer_logprob": answer_scores(teacher.model, long_probes)["logprob"]},
+              "rows": [], **provenance(a)}
+    runs = [(p, b, 0) for b in a.budgets for p in a.policies]
+    runs += [(a.seed_policy, a.seed_budget, s) for s in a.seeds if s != 0]
+    for policy, budget, seed in runs:
+        args = replace(base, policy=policy, kv_budget=budget, seed=seed,
+                       phase2=replace(base.phase2, seed=seed))
+        t = time.perf_counter()
+        report, hybrid = convert_loaded(args, teacher, save=False, return_model=True)
+        if "ppl" not in result["teacher"]:
+            result["teacher"]["ppl"] = report["teacher_ppl"]
+        row = {"policy": policy, "granularity": "head" if policy == "heads" else "layer", "kv_budget": budget,
+               "kv_fraction": report["kv_fraction"], "ppl": report["hybrid_ppl"], "distill_tokens": 0, "seed": seed,
+               "kept_layers": report["kept_layers"], "headwise_kept_groups": report["headwise_kept_groups"],
+               "answer_logprob": answer_scores(hybrid, long_probes)["logprob"],
+               "probe_retrieval": report["retrieval"]["hybrid"], "niah": niah_of(hybrid, tok, a),
+               "convert_s": report["wall_s"], "row_s": None}
+        row["row_s"] = time.perf_counter() - t
+        result["rows"].append(row)
+        result["convert_args"] = asdict(args)
+        del hybrid
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        Path(a.out).write_text(json.dumps(result, indent=1))  # after every row: a killed run keeps what it measured
+        print(markdown(result), flush=True)
+    result["wall_s"] = time.perf_counter() - t0
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    Path(a.out).with_suffix(".md").write_text(markdown(result))
+    plot(result, Path(a.out).with_suffix(".png"))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
