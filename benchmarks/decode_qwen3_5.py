@@ -14,12 +14,12 @@ class's, and each model's static decode with its own eager decode.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -33,13 +33,15 @@ from taylor_calibrate.teacher import resolve_device
 
 
 def _perf():
-    """benchmarks/perf.py as a module: its static-cache decoder, roofline and timing helpers (one copy of each)."""
-    path = Path(__file__).with_name("perf.py")
-    spec = importlib.util.spec_from_file_location("perf_benchmark", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """perf_common.py and perf_decode.py beside this script, as one namespace: their static-cache decoder, roofline
+    and timing helpers (one copy of each)."""
+    here = str(Path(__file__).parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import perf_common
+    import perf_decode
+
+    return SimpleNamespace(**{**vars(perf_common), **vars(perf_decode)})
 
 
 def git_state() -> dict:

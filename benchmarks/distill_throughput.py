@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from perf import build_teacher, free, mb, profiled
+from perf_common import build_teacher, free, mb, profiled
 from provenance import provenance
 
 from taylor_calibrate.config import GDNConfig, TrainArgs
