@@ -42,3 +42,30 @@ def test_scored_policies_treat_near_equal_scores_as_ties_in_layer_order():
     assert kept_layers("greedy", 4, 4, near_tie) == [1]
     assert kept_layers("greedy", 4, 4, [-2.0, -1.05, -1.0, -3.0]) == [2]
     assert kept_layers("bypass", 4, 4, [0.1, 0.5002, 0.5004, 0.2]) == [1]
+
+
+def test_kv_budget_keeps_at_most_that_fraction():
+    from taylor_calibrate.policy import kept_count
+
+    assert kept_count(30, 4) == 8  # one in four, rounded up (the keep_every shorthand)
+    assert kept_count(30, 4, kv_budget=0.25) == 7 and kept_count(90, 4, kv_budget=0.25) == 22
+    assert kept_count(30, 4, kv_budget=0.01) == 1
+    assert kept_layers("uniform", 30, 4, kv_budget=0.25) == [0, 4, 8, 12, 17, 21, 25]
+    with pytest.raises(ValueError, match="kv_budget"):
+        kept_count(30, 4, kv_budget=1.0)
+
+
+def test_head_policy_keeps_the_top_groups_deterministically():
+    """Groups ranked by score over all layers; near-equal scores tie in (layer, group) order; every layer listed."""
+    import torch
+
+    from taylor_calibrate.policy import group_scores, kept_groups_of, layer_groups
+
+    heads = torch.tensor([[0.0, 0.0, 0.5, 0.5], [0.30001, 0.3, 0.0, 0.0], [0.3, 0.30002, 0.0, 0.0]])  # 3 layers x 4 q
+    groups = group_scores(heads, 2)  # 2 groups of 2 query heads each
+    assert torch.allclose(groups, torch.tensor([[0.0, 1.0], [0.60001, 0.0], [0.60002, 0.0]]))
+    kept = kept_groups_of(groups, keep_every=4, kv_budget=0.5)  # 3 of 6 groups
+    assert kept == {0: [1], 1: [0], 2: [0]}
+    assert kept_groups_of(groups, keep_every=4, kv_budget=0.2) == {0: [1], 1: [], 2: []}
+    assert kept_groups_of(groups.clone(), 4, 0.5) == kept, "same scores, same choice"
+    assert layer_groups([1], 3, 2) == {0: [], 1: [0, 1], 2: []}

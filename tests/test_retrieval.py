@@ -104,3 +104,56 @@ def test_batched_generation_equals_one_by_one(smollm2_tokenizer, single_thread):
         one = generate_continuations(model, smollm2_tokenizer, prompts, max_new_tokens=6, batch_size=1)
         assert generate_continuations(model, smollm2_tokenizer, prompts, max_new_tokens=6, batch_size=3) == one
         assert accuracy(model, smollm2_tokenizer, samples, 6, 3) == 0.0, "a random model cannot know the numbers"
+
+
+class _Copier(torch.nn.Module):
+    """Predicts the token that followed the longest earlier match of the current suffix (an induction / copy model);
+    `copy=False` predicts uniformly. Teacher-forced retrieval must tell the two apart."""
+
+    def __init__(self, vocab: int, copy: bool):
+        super().__init__()
+        self.vocab, self.copy = vocab, copy
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, **kwargs):
+        ids = input_ids[0].tolist()
+        logits = torch.zeros(1, len(ids), self.vocab)
+        if self.copy:
+            for t in range(len(ids)):
+                best, nxt = 0, None
+                for j in range(t):
+                    k = 0
+                    while k <= j and ids[j - k] == ids[t - k]:
+                        k += 1
+                    if k > best:
+                        best, nxt = k, ids[j + 1]
+                if nxt is not None:
+                    logits[0, t, nxt] = 30.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_answer_score_separates_a_model_that_copies_from_one_that_cannot(smollm2_tokenizer):
+    from taylor_calibrate.retrieval import answer_scores, make_probe
+
+    probes = [make_probe(s, smollm2_tokenizer) for s in make_samples("passkey", smollm2_tokenizer, 256, 3, seed=5)]
+    for p in probes:  # the answer's tokens sit after the prompt, the needle's copy inside it
+        assert p.answer[0] == len(p.ids) - len(p.answer) and max(p.needle) < p.answer[0]
+    vocab = len(smollm2_tokenizer)
+    good = answer_scores(_Copier(vocab, copy=True), probes)
+    bad = answer_scores(_Copier(vocab, copy=False), probes)
+    assert good["acc"] == 1.0 and bad["acc"] == 0.0
+    assert good["logprob"] > -0.01 and bad["logprob"] < -10, (good, bad)
+
+
+def test_retrieval_heads_are_attention_masses(single_thread):
+    """Per layer and query head a mean attention mass in [0, 1], the same on a rerun (tiny random Llama)."""
+    from taylor_calibrate.retrieval import Probe
+    from taylor_calibrate.stats import retrieval_heads
+
+    teacher = tiny_teacher("llama")
+    g = torch.Generator().manual_seed(0)
+    probes = [Probe("single", torch.randint(0, 97, (40,), generator=g).tolist(), [37, 38, 39], [10, 11, 12])
+              for _ in range(2)]
+    a, b = retrieval_heads(teacher, probes), retrieval_heads(teacher, probes)
+    assert a.shape == (4, 4) and torch.equal(a, b)
+    assert (a >= 0).all() and (a <= 1).all() and a.sum() > 0
