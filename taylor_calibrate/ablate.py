@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from taylor_calibrate.checks import check_out
 from taylor_calibrate.align import align_layers
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.config import INITS, AblateArgs, AlignArgs, apply_profile
@@ -133,6 +134,7 @@ def run_ablate(args: AblateArgs) -> dict:
     t0 = time.perf_counter()
     specs = [parse_init(s) for s in args.inits]  # bad specs and policies fail before any work
     check_policies(args.policies)
+    check_out(args.out, "ablate", overwrite=args.overwrite, inputs={"--teacher": args.teacher})
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.backend)

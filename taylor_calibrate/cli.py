@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "huggingface_hub", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    name = None
+    words = sys.argv[1:] if argv is None else argv
+    name = next((w for w in words if w in COMMANDS), None)  # for the error line, before parsing succeeds
     try:
         name, args = parse(argv)
         if getattr(args, "command", "") is None:  # results record the command line that made them

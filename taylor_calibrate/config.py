@@ -63,6 +63,8 @@ class GDNConfig:
                 raise ValueError(f"GDN option {name}={getattr(self, name)!r} is not one of {allowed}")
         if not 2 <= self.conv_size <= 16:
             raise ValueError(f"GDN option conv_size={self.conv_size} must be in [2, 16]")
+        if not self.norm_eps > 0:
+            raise ValueError(f"GDN option norm_eps={self.norm_eps} must be > 0 (e.g. 1e-5)")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "GDNConfig":
@@ -246,6 +248,8 @@ class DataArgs(CorpusSpec):
     (docs/decisions.md, "calibration rows")."""
     eval_seqs: int | None = None
     """Number of held-out sequences for perplexity (None: from --profile)."""
+    beyond_context: bool = False
+    """Allow seq_len beyond the model's max_position_embeddings (positions it was never trained on)."""
 
     def __post_init__(self):
         for name in ("seq_len", "calib_seqs", "eval_seqs"):
@@ -277,6 +281,11 @@ def _fill(args, values: dict) -> None:
     for key, value in values.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+
+
+def check_batch(eval_batch_size: int) -> None:
+    if eval_batch_size < 1:
+        raise ValueError(f"--eval_batch_size {eval_batch_size} must be >= 1")
 
 
 @dataclass
@@ -312,6 +321,8 @@ class PipelineArgs:
     """Sequences per forward pass during evaluation."""
     seed: int = 0
     """Seed of the random parts of the initialisation."""
+    overwrite: bool = False
+    """Write into a non-empty --out that is not an earlier output of this command (its contents are replaced)."""
 
     def __post_init__(self):
         check_profile(self.profile)
@@ -319,6 +330,7 @@ class PipelineArgs:
             raise ValueError(f"kv_budget={self.kv_budget} must be a fraction of the teacher's KV cache in (0, 1)")
         if self.probe_samples < 1:
             raise ValueError(f"probe_samples={self.probe_samples} must be >= 1")
+        check_batch(self.eval_batch_size)
 
 
 @dataclass
@@ -427,12 +439,16 @@ class EvalArgs:
     """lm-evaluation-harness tasks to run on the model in memory, e.g. [hellaswag] (needs the `eval` extra:
     pip install "taylor-calibrate[eval]"; built-in tasks download their data, so offline use a local task file)."""
     lm_eval_include: str | None = None
-    """Directory of extra lm-eval task YAML files (searched before lm-eval's built-in tasks)."""
+    """Directory of extra lm-eval task YAML files (searched before lm-eval's built-in tasks). Trusted input only:
+    lm-eval runs the Python functions that task files name (`!function`), so this runs code from DIR."""
     lm_eval_limit: int | None = None
     """Examples per lm-eval task (None: all)."""
+    overwrite: bool = False
+    """Write into a non-empty --out that is not an earlier `eval` output."""
 
     def __post_init__(self):
         check_profile(self.profile)
+        check_batch(self.eval_batch_size)
         if self.agreement and not self.teacher:
             raise ValueError("--agreement compares the model with its teacher: pass --teacher too")
         bad = [t for t in self.niah_tasks if t not in NIAH_TASKS]
@@ -550,9 +566,12 @@ class DistillArgs:
     """The teacher's weights: "auto" (bf16 on cuda, fp32 on cpu), "float32", "bfloat16". The student always keeps
     fp32 master weights; on cuda its forward runs under bf16 autocast."""
     eval_batch_size: int = 4
+    overwrite: bool = False
+    """Write into a non-empty --out that is not an earlier `distill` output (its contents are replaced)."""
 
     def __post_init__(self):
         check_profile(self.profile)
+        check_batch(self.eval_batch_size)
 
 
 @dataclass

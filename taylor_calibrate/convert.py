@@ -13,10 +13,11 @@ from pathlib import Path
 
 from taylor_calibrate.align import RopedAttention, align_attention, align_layers
 from taylor_calibrate.calibrate import calibrated_mixers
+from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.config import ConvertArgs, apply_profile
 from taylor_calibrate.data import load_splits
-from taylor_calibrate.evaluate import perplexity, print_table
-from taylor_calibrate.export import REPORT, save_hybrid, write_json
+from taylor_calibrate.evaluate import check_finite_eval, perplexity, print_table
+from taylor_calibrate.export import REPORT, check_finite, staged_dir, write_json
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import (RETRIEVAL, SCORED, bypass_scores, gdn_layers, greedy_scores, group_scores,
@@ -56,6 +57,7 @@ def retrieval_probes(args, teacher: Teacher):
 def run_convert(args: ConvertArgs) -> dict:
     """Convert a teacher into a hybrid (phase 1 + phase 2 by default), evaluate both on held-out text, save it."""
     t0 = time.perf_counter()
+    check_out(args.out, "convert", overwrite=args.overwrite, inputs={"--teacher": args.teacher})
     device = resolve_device(args.device)
     training_backend(resolve_backend(args.backend), args.backend, args.align)  # fail before the (long) load
     teacher = load_teacher(args.teacher, device, resolve_dtype(args.dtype, device))
@@ -76,6 +78,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.backend)
     profile = apply_profile(args, device.type)
+    check_context(args.data.seq_len, teacher.model.config, args.data.beyond_context, "teacher")
     train_backend = training_backend(backend, args.backend, args.align)
     adapt = False  # --target qwen3_5 from a teacher without q/k norm: kept attention layers change form
     if args.target == "qwen3_5":
@@ -96,6 +99,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
 
     t = time.perf_counter()
     teacher_eval = perplexity(teacher.model, splits.heldout, args.eval_batch_size, desc="teacher ppl")
+    check_finite_eval({"the teacher's": teacher_eval["ppl"]}, f"check the teacher {args.teacher}")
     probe_len, probes = retrieval_probes(args, teacher)
     teacher_retrieval = answer_scores(teacher.model, probes) if probes else None
     times["teacher_eval_s"] = time.perf_counter() - t
@@ -168,8 +172,15 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     hybrid = convert_teacher(form, converted, args.gdn, teacher_name=args.teacher, mixers=mixers,
                              kept_groups=headwise)
     hybrid.set_backend(backend)
+    diverged = {i: r["diverged_at"] for i, r in (p2 or {}).get("layers", {}).items()
+                if r.get("diverged_at") is not None}
+    fix = "nothing was saved; lower the phase-2 learning rates (--phase2.lr, --phase2.lr_qkv) or check the options"
+    if diverged:
+        fix += f" (phase 2 diverged in layer(s) {sorted(diverged)})"
+    check_finite(hybrid, "the converted model", fix)
     t = time.perf_counter()
     hybrid_eval = perplexity(hybrid, splits.heldout, args.eval_batch_size, desc="hybrid ppl")
+    check_finite_eval({"the converted model's": hybrid_eval["ppl"]}, fix)
     hybrid_retrieval = answer_scores(hybrid, probes) if probes else None
     times["hybrid_eval_s"] = time.perf_counter() - t
 
@@ -203,13 +214,16 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         "stage_s": times,
         "args": asdict(args),
     }
-    if save:
-        t = time.perf_counter()
-        save_hybrid(hybrid, teacher.tokenizer, args.out)
-        times["save_s"] = time.perf_counter() - t
-    report["wall_s"] = time.perf_counter() - t0
-    if save:
-        write_json(Path(args.out) / REPORT, report)
+    if save:  # model, tokenizer and report appear together, or not at all
+        with staged_dir(args.out) as tmp:
+            t = time.perf_counter()
+            hybrid.save_pretrained(tmp, safe_serialization=True)
+            teacher.tokenizer.save_pretrained(tmp)
+            times["save_s"] = time.perf_counter() - t
+            report["wall_s"] = time.perf_counter() - t0
+            write_json(tmp / REPORT, report)
+    else:
+        report["wall_s"] = time.perf_counter() - t0
 
     init = f"{args.init}{' + align' if args.align else ''}"
     print(f"\nconverted {args.teacher}: {len(converted)} of {n} layers -> GDN ({args.policy}), kept attention {kept}")
@@ -234,5 +248,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         ("wall time", f"{report['wall_s']:.1f} s"),
         ("output", str(Path(args.out) / REPORT) if save else "(not saved)"),
     ])
+    for i, step in sorted(diverged.items()):
+        print(f"  note: phase 2 diverged in layer {i} at step {step}; the layer was put back to its best state")
     return (report, hybrid) if return_model else report
     return report

@@ -201,23 +201,32 @@ def _chunk_text(name: str, text: str) -> list[tuple[str, str]]:
 
 
 def _jsonl_documents(path: Path, field: str) -> list[tuple[str, str]]:
+    data = path.read_bytes()
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ValueError(f"corpus file {path} is not UTF-8 (line {line}: {e.reason}); re-encode it, e.g. "
+                         "iconv -f latin1 -t utf-8") from None
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno} is not valid JSON ({e})") from None
-            if not isinstance(record, dict) or field not in record:
-                present = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(
-                    f"{path}:{lineno} has no text field {field!r}; fields present: {present}; "
-                    "pass --text-field"
-                )
-            text = record[field]
-            docs.append((str(len(docs)), "" if text is None else str(text)))
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno} is not valid JSON ({e})") from None
+        if not isinstance(record, dict) or field not in record:
+            present = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(
+                f"{path}:{lineno} has no text field {field!r}; fields present: {present}; "
+                "pass --data.text_field"
+            )
+        text = record[field]
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"{path}:{lineno}: text field {field!r} holds a {type(text).__name__}, not a string; "
+                             "point --data.text_field at the field that holds the text")
+        docs.append((str(len(docs)), text or ""))
     return docs
 
 
@@ -225,9 +234,14 @@ def _rows_documents(rows, field: str, name: str) -> list[tuple[str, str]]:
     if field not in rows.column_names:
         raise ValueError(
             f"dataset {name!r} has no text field {field!r}; fields present: {rows.column_names}; "
-            "pass --text-field"
+            "pass --data.text_field"
         )
-    return [(str(i), text or "") for i, text in enumerate(rows[field])]
+    texts = rows[field]
+    bad = next((t for t in texts if t is not None and not isinstance(t, str)), None)
+    if bad is not None:
+        raise ValueError(f"dataset {name!r}: text field {field!r} holds {type(bad).__name__} values, not strings; "
+                         "point --data.text_field at the field that holds the text")
+    return [(str(i), text or "") for i, text in enumerate(texts)]
 
 
 def _pick_split(dataset, spec: CorpusSpec, name: str):
@@ -334,7 +348,7 @@ def pack_tokens(
     if len(tokens) < need:
         raise ValueError(
             f"corpus {source!r} gives only {len(tokens)} tokens, need {num_seqs}*{seq_len}={need}; "
-            "pass a bigger corpus or lower --num-seqs/--seq-len"
+            "pass a bigger corpus or lower --data.calib_seqs / --data.eval_seqs / --data.seq_len"
         )
     return torch.tensor(tokens[:need], dtype=torch.long).view(num_seqs, seq_len)
 

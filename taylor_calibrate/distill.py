@@ -14,11 +14,15 @@ and the optimizer step uses the same global batch whatever the number of process
 run and a `torchrun --nproc_per_node K` run follow the same loss curve. Under torchrun the student is wrapped in
 DDP or FSDP2 (`fully_shard` per decoder layer); checkpoints hold full (gathered) state dicts of the trained
 parameters and the optimizer in safetensors, written to a temporary directory and renamed into place, then
-pointed at by `latest` (also replaced atomically): a kill at any moment leaves the previous checkpoint intact.
+pointed at by `latest` (also replaced atomically): a kill at any moment leaves the previous checkpoint intact. The
+last two checkpoints are kept; a damaged newest one falls back to the one before. Each records its run's identity (a
+digest of the student's initial weights, the teacher, the arguments that shape training): a resume into a directory
+of another run is refused with the difference named.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -36,8 +40,9 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from taylor_calibrate.config import (DistillArgs, TrainArgs, apply_profile, apply_train_profile)
+from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.data import TokenWindows, distill_data, step_windows
-from taylor_calibrate.export import REPORT, load_model, write_json
+from taylor_calibrate.export import REPORT, check_finite, load_model, staged_dir, write_json
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 from taylor_calibrate.training import Clock, autocast, warmup_cosine
@@ -234,7 +239,8 @@ def _state_options(**kw):
 
 
 def save_checkpoint(out: Path, step: int, model, opt, ctx: Dist, extra: dict) -> None:
-    """Gather full state dicts of the trained parameters and the optimizer; rank 0 writes them atomically."""
+    """Gather full state dicts of the trained parameters and the optimizer; rank 0 writes them atomically and keeps
+    the newest two checkpoints."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model, opt, options=_state_options(cpu_offload=ctx.world > 1, ignore_frozen_params=True))
     if ctx.main:
@@ -257,43 +263,125 @@ def save_checkpoint(out: Path, step: int, model, opt, ctx: Dist, extra: dict) ->
             shutil.rmtree(final)
         os.replace(tmp, final)
         write_json(root / "latest.json", {"step": step, "dir": final.name})
-        for old in root.glob("step_*"):
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in sorted(root.glob("step_*"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
     if ctx.world > 1:
         dist.barrier()
 
 
-def latest_checkpoint(out: Path) -> Path | None:
-    ptr = out / CKPT_DIR / "latest.json"
-    if not ptr.exists():
-        return None
-    try:
-        d = out / CKPT_DIR / json.loads(ptr.read_text())["dir"]
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"{ptr} is corrupt ({e}); delete {out / CKPT_DIR} to start over") from e
-    if not (d / "state.json").exists():
-        raise ValueError(f"checkpoint {d} named by {ptr} is incomplete; delete {out / CKPT_DIR} to start over")
-    return d
+def run_identity(student, trained: set[str], teacher: str | None, args: TrainArgs, data: dict | None = None) -> dict:
+    """What makes two runs the same run: the student's initial weights (sha256 over every tensor's name, dtype and
+    shape and the bytes of the trained ones; the frozen rest is the teacher's), the teacher, the arguments that shape
+    training (not how often it logs, saves or evaluates) and the data."""
+    h = hashlib.sha256()
+    for name, t in sorted(student.state_dict().items()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        if name in trained:
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    shaping = {k: v for k, v in asdict(args).items()
+               if k not in ("eval_every", "save_every", "log_every", "compile", "parallel", "peak_tflops",
+                            "micro_batch_size")}
+
+    def where(spec):  # a local path compares by where it is, however it was spelled
+        return str(Path(spec).resolve()) if isinstance(spec, str) and os.path.exists(spec) else spec
+
+    data = {k: where(v) for k, v in (data or {}).items()}
+    ident = {"student_sha256": h.hexdigest(), "teacher": where(teacher), "train": shaping, "data": data}
+    return json.loads(json.dumps(ident, default=str))  # as it reads back from state.json
 
 
-def load_checkpoint(ckpt: Path, model, opt) -> dict:
-    """Restore trained parameters and optimizer state (every process loads the same full state dicts)."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-    meta = json.loads((ckpt / "state.json").read_text())
+def identity_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The settings that differ between two run identities, as "key: <then> then, <now> now"."""
+    diffs = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += identity_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            if k == "student_sha256":
+                diffs.append("the student's initial weights (another --student, or it changed)")
+            else:
+                diffs.append(f"{prefix}{k}: {a!r} then, {b!r} now")
+    return diffs
+
+
+class CorruptCheckpoint(ValueError):
+    pass
+
+
+def read_checkpoint(ckpt: Path, model) -> tuple[dict, dict, dict]:
+    """(meta, model state, optimizer state) of one checkpoint, checked against the run's trained parameters: every
+    one present with its shape, nothing else (a strict load). Raises CorruptCheckpoint naming the file."""
     try:
+        meta = json.loads((ckpt / "state.json").read_text())
+        step = int(meta["step"])
         msd = load_file(str(ckpt / "model.safetensors"))
         flat = load_file(str(ckpt / "optimizer.safetensors"))
-    except Exception as e:  # safetensors raises its own types for truncated files
-        raise ValueError(f"checkpoint {ckpt} is corrupt ({e}); delete it to restart from the previous one") from e
-    state: dict[str, dict] = {}
-    for key, v in list(flat.items()) + list(meta["scalars"].items()):
-        name, k = key.rsplit("::", 1)
-        state.setdefault(name, {})[k] = v
-    groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict={"state": state, "param_groups": groups},
-                   options=_state_options(strict=False))
-    return meta
+        state: dict[str, dict] = {}
+        for key, v in list(flat.items()) + list(meta["scalars"].items()):
+            name, k = key.rsplit("::", 1)
+            state.setdefault(name, {})[k] = v
+        groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
+    except Exception as e:  # garbage JSON, missing keys, safetensors' own errors for truncated files
+        raise CorruptCheckpoint(f"checkpoint {ckpt} is damaged ({type(e).__name__}: {e})") from e
+    params = {n: p for n, p in (model.module if hasattr(model, "module") else model).named_parameters()
+              if p.requires_grad}
+    missing, unexpected = sorted(set(params) - set(msd)), sorted(set(msd) - set(params))
+    shapes = [n for n in set(params) & set(msd) if tuple(params[n].shape) != tuple(msd[n].shape)]
+    if missing or unexpected or shapes or (step > 0 and set(state) != set(params)):
+        raise CorruptCheckpoint(f"checkpoint {ckpt} does not hold this run's trained parameters (missing "
+                                f"{missing[:3]}, unexpected {unexpected[:3]}, other shapes {shapes[:3]})")
+    return meta, msd, {"state": state, "param_groups": groups}
+
+
+def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
+    """Restore the newest usable checkpoint of this run (falling back to the one before a damaged one) and return its
+    meta; None when there is none. A checkpoint of another run is refused, naming what differs."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    root = out / CKPT_DIR
+    found = sorted(root.glob("step_*"), reverse=True) if root.is_dir() else []
+    damaged = []
+    for ckpt in found:
+        try:
+            meta, msd, osd = read_checkpoint(ckpt, model)
+        except CorruptCheckpoint as e:
+            damaged.append((ckpt, str(e)))
+            continue
+        if "identity" not in meta:
+            raise ValueError(f"checkpoint {ckpt} records no run identity (an older version wrote it), so it cannot be "
+                             "told apart from another run's; pass a new --out, or --resume false to start over there")
+        diffs = identity_diff(meta["identity"], identity)
+        if diffs:
+            raise ValueError(f"--out {out} holds checkpoints of another run, which differs in: {'; '.join(diffs)}. "
+                             "Pass a new --out, or --resume false to start this run over there (its checkpoints "
+                             "are deleted)")
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd,
+                       options=_state_options(strict=False))  # frozen parameters are not in it; checked above
+        for bad, why in damaged:
+            log.warning("%s; resuming from the previous checkpoint %s instead", why, ckpt.name)
+            shutil.rmtree(bad, ignore_errors=True)  # later checkpoints of this run are rewritten from here
+        return meta
+    if damaged:
+        raise ValueError(f"no usable checkpoint in {root}: {'; '.join(why for _, why in damaged)}. Pass --resume "
+                         "false to start over (the checkpoints are deleted) or a new --out")
+    return None
+
+
+def _records(path: Path) -> list[dict]:
+    """metrics.jsonl's records; a half-written last line (a kill mid-write) is dropped, damage elsewhere is an error."""
+    lines = path.read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:
+                log.warning("%s: dropped a half-written last line", path)
+                break
+            raise ValueError(f"{path}:{i + 1} is not valid JSON; delete the file or pass a new --out") from None
+    return records
 
 
 class Metrics:
@@ -304,15 +392,13 @@ class Metrics:
         self.path, self.main = path, main
         if not main:
             return
-        keep = []
         if resume_step > 0 and path.exists():
-            keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= resume_step]
+            keep = [json.dumps(r) for r in _records(path) if r["step"] <= resume_step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(k + "\n" for k in keep))
+            os.replace(tmp, path)
         elif path.exists():
             path.unlink()
-        if keep:
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("\n".join(keep) + "\n")
-            os.replace(tmp, path)
 
     def write(self, record: dict) -> None:
         if self.main:
@@ -320,7 +406,7 @@ class Metrics:
                 f.write(json.dumps(record) + "\n")
 
     def read(self) -> list[dict]:
-        return [json.loads(l) for l in self.path.read_text().splitlines() if l.strip()] if self.path.exists() else []
+        return _records(self.path) if self.path.exists() else []
 
 
 # --- the loop ----------------------------------------------------------------------------------------------------
@@ -337,13 +423,15 @@ def flops_per_token(student, teacher, trained: set[str]) -> float:
 
 def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.Tensor, args: TrainArgs,
             out: str | Path, *, resume: bool = True, eval_batch_size: int = 4, ctx: Dist | None = None,
-            desc: str = "distill", on_step=None, deadline: float | None = None) -> dict:
+            desc: str = "distill", on_step=None, deadline: float | None = None,
+            teacher_spec: str | None = None, data: dict | None = None) -> dict:
     """Train `student` toward `teacher` for `args.tokens` tokens of `rows` (N windows of T tokens: token shards, or
     an (N, T) tensor); returns the run's report.
 
     `on_step(step, model)` runs (untimed) at step 0 and after every optimizer step (`recovery` scores NIAH there).
     Past `deadline` (time.monotonic()) the run checkpoints and returns early, its report marked "stopped_at": the
-    same call later resumes it, so a long run fits in a series of time-limited jobs.
+    same call later resumes it, so a long run fits in a series of time-limited jobs. `teacher_spec` and `data` (what
+    the rows were made from) go into the checkpoints' run identity.
 
     `student` holds fp32 master weights; on CUDA the forward runs under bf16 autocast. Evaluations at step 0,
     every `eval_every` steps and at the end go to metrics.jsonl with the tokens seen so far."""
@@ -367,6 +455,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
 
     names = trainable_names(student, args.train)
     trained = set(names)
+    identity = run_identity(student, trained, teacher_spec, args, {**(data or {}), "seq_len": seq})
     for n, p in student.named_parameters():
         p.requires_grad_(n in trained)
     teacher.requires_grad_(False).eval()
@@ -386,14 +475,10 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     warmup_steps = math.ceil(args.warmup * steps)
 
     start = 0
-    ckpt = latest_checkpoint(out) if resume else None
-    if ckpt is not None:
-        meta = load_checkpoint(ckpt, model, opt)
-        if meta.get("tokens_per_step") != tokens_per_step or meta.get("steps") != steps:
-            raise ValueError(f"checkpoint {ckpt} was made with another batch/budget ({meta.get('tokens_per_step')} "
-                             f"tokens x {meta.get('steps')} steps, now {tokens_per_step} x {steps}); use a new --out")
+    meta = resume_checkpoint(out, model, opt, identity) if resume else None
+    if meta is not None:
         start = meta["step"]
-        log.info("resuming %s from step %d of %d (%s)", desc, start, steps, ckpt)
+        log.info("resuming %s from step %d of %d (%s)", desc, start, steps, out / CKPT_DIR)
     elif ctx.main and (out / CKPT_DIR).exists():
         shutil.rmtree(out / CKPT_DIR)
     if ctx.main:
@@ -403,11 +488,14 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     fpt = flops_per_token(student, teacher, trained)
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
                                      if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
-    extra = {"steps": steps, "tokens_per_step": tokens_per_step}
+    extra = {"steps": steps, "tokens_per_step": tokens_per_step, "identity": identity}
 
     def evaluate(step):
         rec = {"step": step, "tokens": step * tokens_per_step, **heldout_eval(model, teacher, heldout, eval_batch_size,
                                                                                ctx, device)}
+        if not math.isfinite(rec["heldout_loss"]):
+            raise RuntimeError(f"{desc}: the held-out loss is {rec['heldout_loss']} at step {step}: the student's "
+                               "outputs are not finite; lower --train.lr (checkpoints before this step are kept)")
         metrics.write(rec)
         return rec
 
@@ -455,7 +543,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             metrics.write(rec)
             bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{tps or 0:,.0f}")
             if not math.isfinite(last["loss"]):
-                raise RuntimeError(f"{desc}: the loss is {last['loss']} at step {step}; lower --train.lr")
+                raise RuntimeError(f"{desc}: the loss is {last['loss']} at step {step}; lower --train.lr "
+                                   "(checkpoints before this step are kept)")
         if step % eval_every == 0 or step == steps:
             with clock.paused():
                 evaluate(step)
@@ -492,6 +581,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
 def run_distill(args: DistillArgs) -> dict:
     """Distil a converted hybrid toward its teacher; resumable, torchrun-ready; writes report.json and model/."""
     t0 = time.perf_counter()
+    check_out(args.out, "distill", overwrite=args.overwrite,
+              inputs={"--student": args.student, "--teacher": args.teacher})
     device = resolve_device(args.device)
     ctx, device = init_distributed(device)
     dtype = resolve_dtype(args.dtype, device)
@@ -505,19 +596,24 @@ def run_distill(args: DistillArgs) -> dict:
     teacher_spec = args.teacher or student.config.teacher_name
     if not teacher_spec:
         raise ValueError(f"{args.student} does not record its teacher; pass --teacher")
-    teacher = load_teacher(teacher_spec, device, dtype).model
+    check_out(args.out, "distill", overwrite=args.overwrite, inputs={"the student's teacher": teacher_spec})
     if tokenizer is None:
         raise FileNotFoundError(f"{args.student} has no tokenizer files; save one beside the model")
+    check_context(args.data.seq_len, student.config, args.data.beyond_context, "student")
+    teacher = load_teacher(teacher_spec, device, dtype).model
     out = Path(args.out)
     train_rows, heldout = distill_data(args.data, tokenizer, out / "tokens", args.train.tokens, main=ctx.main,
                                        barrier=dist.barrier if ctx.world > 1 else None)
+    data = {k: getattr(args.data, k) for k in ("source", "text_field", "split", "heldout_fraction")}
     report = distill(student, teacher, train_rows, heldout, args.train, args.out, resume=args.resume,
-                     eval_batch_size=args.eval_batch_size, ctx=ctx)
+                     eval_batch_size=args.eval_batch_size, ctx=ctx, teacher_spec=teacher_spec, data=data)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     full = get_model_state_dict(student, options=_state_options(cpu_offload=ctx.world > 1))
     if ctx.main:
-        student.save_pretrained(out / "model", state_dict=full, safe_serialization=True)
-        tokenizer.save_pretrained(out / "model")
+        check_finite(full, "the distilled model")
+        with staged_dir(out / "model") as tmp:  # complete or not at all
+            student.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
         report.update(student=args.student, teacher=teacher_spec, train_rows=len(train_rows),
                       tokens_dir=str(train_rows.root),
                       profile=profile, backend=backend, device=str(device), wall_s=time.perf_counter() - t0,

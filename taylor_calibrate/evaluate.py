@@ -17,12 +17,20 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.config import EvalArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.export import REPORT, load_model, write_json
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.retrieval import niah_scores
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+
+
+def check_finite_eval(results: dict[str, float], fix: str) -> None:
+    """A perplexity that is NaN or inf is a broken model, not a figure to report."""
+    for who, ppl in results.items():
+        if not math.isfinite(ppl):
+            raise ValueError(f"{who} perplexity is {ppl} on the held-out text: its outputs are not finite; {fix}")
 
 
 @torch.no_grad()
@@ -145,6 +153,8 @@ def run_eval(args: EvalArgs) -> dict:
     """Held-out perplexity of a saved model (and optionally of its teacher on the same text); optionally
     long-context retrieval (--niah), agreement with the teacher (--agreement) and lm-eval tasks (--lm_eval_tasks)."""
     t0 = time.perf_counter()
+    out = Path(args.out or Path(args.model) / "eval")
+    check_out(str(out), "eval", overwrite=args.overwrite, inputs={"--model": args.model, "--teacher": args.teacher})
     if args.lm_eval_tasks:
         import_lm_eval()  # fail before the slow parts, not after them
     device = resolve_device(args.device)
@@ -156,6 +166,7 @@ def run_eval(args: EvalArgs) -> dict:
         model.set_backend(backend)
     if tokenizer is None:
         raise FileNotFoundError(f"{args.model} has no tokenizer files; save one beside the model")
+    check_context(args.data.seq_len, model.config, args.data.beyond_context, "model")
     times = {}
     t = time.perf_counter()
     splits = load_splits(args.data, tokenizer, args.data.seq_len, 1, args.data.eval_seqs)
@@ -165,6 +176,9 @@ def run_eval(args: EvalArgs) -> dict:
         teacher = load_teacher(args.teacher, device, dtype)
         report["teacher"] = args.teacher
         report["teacher_ppl"] = perplexity(teacher.model, splits.heldout, args.eval_batch_size, "teacher ppl")["ppl"]
+    check_finite_eval({f"{args.model}'s": report["model_ppl"],
+                       f"the teacher {args.teacher}'s": report.get("teacher_ppl", 0.0)},
+                      "no report was written; check the model's weights (convert it again if they are damaged)")
     times["ppl_s"] = time.perf_counter() - t
     if args.agreement:
         t = time.perf_counter()
@@ -187,7 +201,6 @@ def run_eval(args: EvalArgs) -> dict:
         times["lm_eval_s"] = time.perf_counter() - t
     report.update(eval_tokens=int(splits.heldout[:, 1:].numel()), backend=backend, stage_s=times,
                   wall_s=time.perf_counter() - t0, args=asdict(args))
-    out = Path(args.out or Path(args.model) / "eval")
     write_json(out / REPORT, report)
 
     rows = [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in report.items()

@@ -1,13 +1,23 @@
-"""Export: save a hybrid (safetensors + config + tokenizer + report.json) and load it back with clear errors."""
+"""Export: save a hybrid (safetensors + config + tokenizer + report.json) and load it back with clear errors.
+
+A model directory appears complete or not at all: it is written into a temporary sibling and renamed into place, so
+an earlier output is replaced only by that rename. Readers refuse a directory whose weights are corrupt, do not cover
+every parameter of its config, are not finite, or whose report.json disagrees with its config.
+"""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+log = logging.getLogger("taylor_calibrate")
 
 REPORT = "report.json"
 
@@ -23,39 +33,146 @@ def write_json(path: str | Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def staged_dir(final: str | Path):
+    """Yield an empty temporary sibling of `final` to write a directory into; on success it is renamed to `final`
+    (an earlier `final` is moved aside and removed only after that), on any error it is removed. Leftovers of killed
+    runs (`.<name>.partial-<pid>` of a dead process) are cleared first."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = final.parent / f".{final.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def check_finite(model_or_tensors, what: str, fix: str = "") -> None:
+    """Raise naming the first parameter (and its layer) that holds a NaN or inf; takes a model or a state dict."""
+    named = model_or_tensors.items() if isinstance(model_or_tensors, dict) else model_or_tensors.named_parameters()
+    for name, p in named:
+        if not bool(torch.isfinite(p).all()):
+            bad = int((~torch.isfinite(p)).sum())
+            layer = next((f" (layer {part})" for prev, part in zip(name.split("."), name.split(".")[1:])
+                          if prev == "layers"), "")
+            raise ValueError(f"{what} has non-finite weights: {bad} NaN/inf values in {name}{layer}"
+                             + (f"; {fix}" if fix else ""))
+
+
 def save_hybrid(model, tokenizer, out_dir: str | Path, report: dict | None = None) -> Path:
+    """Write model + tokenizer (+ report.json) as one directory, complete or not at all; non-finite weights are
+    refused rather than saved."""
+    check_finite(model, "the model to save")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    if report is not None:
-        write_json(out / REPORT, report)
+    with staged_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if report is not None:
+            write_json(tmp / REPORT, report)
     return out
 
 
-def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-    """Load a saved hybrid (or any causal LM directory) and its tokenizer; corrupt or partial directories get an
-    error that names the file and the fix instead of a stack trace from the loader."""
-    import taylor_calibrate  # noqa: F401  registers the hybrid with the Auto* factories
-
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the output of `convert`")
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights; re-run `convert` to write them")
+def check_safetensors(path: Path, fix: str) -> list[Path]:
+    """The directory's *.safetensors files, each with a readable header and data that covers it."""
     from safetensors import safe_open
 
+    weights = sorted(path.glob("*.safetensors"))
     for w in weights:
         try:
             with safe_open(str(w), framework="pt") as f:
                 f.keys()
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-            raise ValueError(f"checkpoint file {w} is corrupt or truncated ({e}); re-run `convert` to rewrite it") from e
+            raise ValueError(f"checkpoint file {w} is corrupt or truncated ({e}); {fix}") from e
+    return weights
+
+
+def check_loaded(path, info: dict, fix: str, unexpected: bool = False) -> None:
+    """Refuse a load that left parameters of the config without weights (transformers would initialise them
+    randomly and only log it), with weights of another shape, or (`unexpected`) with weights the config has no
+    parameter for."""
+    missing = list(info.get("missing_keys") or [])
+    mismatched = list(info.get("mismatched_keys") or [])
+    extra = sorted(info.get("unexpected_keys") or []) if unexpected else []
+    if missing or mismatched or extra:
+        parts = []
+        if extra:
+            parts.append(f"weights for {len(extra)} tensor(s) its config has no parameter for ({', '.join(extra[:4])}"
+                         f"{', ...' if len(extra) > 4 else ''})")
+        if missing:
+            parts.append(f"{len(missing)} parameter(s) of its config have no weights ({', '.join(sorted(missing)[:4])}"
+                         f"{', ...' if len(missing) > 4 else ''})")
+        if mismatched:
+            names = [m[0] if isinstance(m, (tuple, list)) else m for m in mismatched]
+            parts.append(f"weights of another shape for {names[:4]}")
+        raise ValueError(f"{path}: the weights do not match its config.json: {'; '.join(parts)}. The directory is "
+                         f"incomplete or mixes two models; {fix}")
+
+
+def check_report(path, config) -> None:
+    """A convert output's report.json must describe the model its config.json describes."""
+    report = Path(path) / REPORT
+    if not report.is_file() or not hasattr(config, "layer_types"):
+        return
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError, RuntimeError) as e:
+        rep = json.loads(report.read_text())
+    except ValueError as e:
+        raise ValueError(f"{report} is not valid JSON ({e}); convert again into a new --out") from None
+    if "layer_types" in rep and list(rep["layer_types"]) != list(config.layer_types or []):
+        raise ValueError(f"{path}: report.json and config.json describe different models (layer_types "
+                         f"{rep['layer_types']} vs {list(config.layer_types or [])}); the directory mixes two "
+                         "conversions: convert again into a new --out")
+    gdn = (rep.get("args") or {}).get("gdn")
+    if gdn is not None and getattr(config, "gdn", None) is not None and dict(gdn) != dict(config.gdn):
+        raise ValueError(f"{path}: report.json and config.json give different GDN options ({gdn} vs {config.gdn}); "
+                         "the directory mixes two conversions: convert again into a new --out")
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """Load a saved hybrid (or any causal LM directory) and its tokenizer; corrupt, partial, mixed or non-finite
+    directories get an error that names the file and the fix instead of a stack trace or a silently wrong model."""
+    import taylor_calibrate  # noqa: F401  registers the hybrid with the Auto* factories
+
+    path = Path(path)
+    fix = "re-run `convert` into a new --out to rewrite it"
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory; pass the output directory of `convert`")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the output of `convert`")
+    try:
+        json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON ({e}); {fix}") from None
+    if not check_safetensors(path, fix):
+        raise FileNotFoundError(f"{path} has no *.safetensors weights; re-run `convert` to write them")
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
         raise ValueError(f"could not load the model in {path}: {e}") from e
+    check_loaded(path, info, fix)
+    check_report(path, model.config)
+    check_finite(model, str(path), "the file is damaged or the run that wrote it diverged; " + fix)
     tokenizer = AutoTokenizer.from_pretrained(path) if any(path.glob("tokenizer*")) else None
     return model.to(device).eval(), tokenizer

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from taylor_calibrate.ablate import TeacherPass, build_all, check_policies, parse_init
+from taylor_calibrate.checks import check_out
 from taylor_calibrate.config import RecoveryArgs, apply_profile, apply_train_profile
 from taylor_calibrate.data import TokenSplits, distill_data
 from taylor_calibrate.distill import distill
@@ -214,6 +215,7 @@ def run_recovery(args: RecoveryArgs) -> dict:
     t0 = time.perf_counter()
     deadline = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
     runs = parse_runs(args)
+    check_out(args.out, "recovery", overwrite=args.overwrite, inputs={"--teacher": args.teacher})
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.backend)
@@ -299,6 +301,7 @@ def run_recovery(args: RecoveryArgs) -> dict:
         print(f"\nrecovery: {policy} / {init}: {len(converted)} GDN layers, {args.train.tokens:,} tokens")
         rep = distill(hybrid, model, train_rows, splits.heldout, args.train, run_dir,
                       eval_batch_size=args.eval_batch_size, desc=f"{policy}/{init}", on_step=score_niah,
+                      teacher_spec=args.teacher,
                       deadline=deadline)
         if rep.get("stopped_at") is not None:
             complete = False

