@@ -150,6 +150,25 @@ def check_report(path, config) -> None:
                          "the directory mixes two conversions: convert again into a new --out")
 
 
+def check_state(path, config, state: dict, fix: str) -> None:
+    """Raw weights of a hybrid directory (read without building the model, as `export` does) against its config:
+    every parameter present with its shape, nothing else, all finite; and its report.json agreeing."""
+    from transformers.initialization import no_init_weights
+
+    from taylor_calibrate.model.hybrid import HybridForCausalLM
+
+    with torch.device("meta"), no_init_weights():
+        expected = {k: tuple(v.shape) for k, v in HybridForCausalLM(config).state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+    state_keys = set(state) - ({"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set())
+    info = {"missing_keys": sorted(set(expected) - state_keys), "unexpected_keys": sorted(state_keys - set(expected)),
+            "mismatched_keys": sorted(k for k in set(expected) & state_keys if tuple(state[k].shape) != expected[k])}
+    check_loaded(path, info, fix, unexpected=True)
+    check_report(path, config)
+    check_finite(state, str(path), fix)
+
+
 def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     """Load a saved hybrid (or any causal LM directory) and its tokenizer; corrupt, partial, mixed or non-finite
     directories get an error that names the file and the fix instead of a stack trace or a silently wrong model."""

@@ -33,7 +33,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from taylor_calibrate.checks import check_out
 from taylor_calibrate.config import GDN_TYPE, ExportArgs, HybridConfig
+from taylor_calibrate.export import check_safetensors, check_state
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -261,13 +263,16 @@ def _load_hybrid_files(path: Path) -> tuple[HybridConfig, dict[str, torch.Tensor
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
     if model_type != HybridConfig.model_type:
         raise ValueError(f"{path} holds a {model_type!r} model, not a hybrid made by `convert` ({HybridConfig.model_type})")
-    files = sorted(path.glob("*.safetensors"))
+    fix = "re-run `convert` into a new --out to rewrite it"
+    files = check_safetensors(path, fix)
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights; re-run `convert` to write them")
     state = {}
     for f in files:
         state.update(load_file(str(f)))
-    return HybridConfig.from_pretrained(path), state
+    cfg = HybridConfig.from_pretrained(path)
+    check_state(path, cfg, state, fix)
+    return cfg, state
 
 
 def _copy_tokenizer_and_generation(src: Path, dst: Path) -> None:
@@ -305,6 +310,7 @@ def export_qwen3_5(model_dir: str | Path, out_dir: str | Path) -> Path:
 
 def run_export(args: ExportArgs) -> dict:
     """Export a converted hybrid to a format that inference engines run without our package."""
+    check_out(args.out, "export", inputs={"--model": args.model})
     if args.format == "gguf":
         from taylor_calibrate.qwen35_gguf import export_gguf
 
