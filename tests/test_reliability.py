@@ -176,6 +176,19 @@ def test_a_directory_mixing_two_conversions_is_refused_by_every_reader(w):
         AutoModelForCausalLM.from_pretrained(disagree)
 
 
+def test_export_refuses_a_damaged_source_and_a_bad_out(w):
+    missing = w.copy(w.a, "export_missing")
+    sd = _weights(missing)
+    save_file({k: v for k, v in sd.items() if ".g_proj." not in k}, str(missing / "model.safetensors"),
+              metadata={"format": "pt"})
+    fails(cli("export", "--model", missing, "--out", w.root / "copies" / "ex1"), "no weights", "incomplete or mixes")
+    nan = w.copy(w.a, "export_nan")
+    _clobber(nan)
+    fails(cli("export", "--model", nan, "--out", w.root / "copies" / "ex2"), r"non-finite weights: 1024 NaN/inf")
+    fails(cli("export", "--model", w.a, "--out", w.a), r"--out .* is the --model directory")
+    assert not (w.root / "copies" / "ex1").exists() and not (w.root / "copies" / "ex2").exists()
+
+
 def test_distill_refuses_to_resume_another_run(w):
     """--out holds B's finished run: distilling A there (same shapes) or B with other arguments is refused, with the
     difference named; the run's files do not change."""
