@@ -275,7 +275,10 @@ def make_probe(sample: Sample, tokenizer) -> Probe:
     """Tokenise prompt + " " + answer once (so the answer's tokens are the ones the model would read) and locate the
     answer tokens and the needle's copy of them."""
     text = sample.prompt + " " + sample.answer
-    enc = tokenizer(text, return_offsets_mapping=True)
+    try:
+        enc = tokenizer(text, return_offsets_mapping=True)
+    except (TypeError, NotImplementedError) as e:  # slow (Python) tokenizers have no offsets
+        raise ValueError(f"retrieval probes need a fast tokenizer (character offsets): {e}") from e
     start = len(sample.prompt) + 1
     at = sample.prompt.index(sample.needle)
     spans = [(at + m.start(), at + m.end()) for m in re.finditer(re.escape(sample.answer), sample.needle)]
