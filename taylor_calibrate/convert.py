@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from taylor_calibrate.align import RopedAttention, align_attention, align_layers
@@ -16,9 +15,10 @@ from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.config import ConvertArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import perplexity, print_table
-from taylor_calibrate.export import REPORT, save_hybrid, write_json
+from taylor_calibrate.export import REPORT, save_hybrid
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.ops import resolve_backend, training_backend
+from taylor_calibrate.results import record
 from taylor_calibrate.policy import (RETRIEVAL, SCORED, bypass_scores, gdn_layers, greedy_scores, group_scores,
                                      kept_groups_of, kept_layers, layer_groups)
 from taylor_calibrate.qwen3_5 import check_qwen3_form, fit_qk_norm, qwen3_form, target_gdn
@@ -201,7 +201,6 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
         "stage_s": times,
-        "args": asdict(args),
     }
     if save:
         t = time.perf_counter()
@@ -209,7 +208,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         times["save_s"] = time.perf_counter() - t
     report["wall_s"] = time.perf_counter() - t0
     if save:
-        write_json(Path(args.out) / REPORT, report)
+        report = record(Path(args.out) / REPORT, report, args)
 
     init = f"{args.init}{' + align' if args.align else ''}"
     print(f"\nconverted {args.teacher}: {len(converted)} of {n} layers -> GDN ({args.policy}), kept attention {kept}")

@@ -26,7 +26,7 @@ import os
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 
 from taylor_calibrate.config import (DistillArgs, TrainArgs, apply_profile, apply_train_profile)
 from taylor_calibrate.data import TokenWindows, distill_data, step_windows
-from taylor_calibrate.export import REPORT, load_model, write_json
+from taylor_calibrate.export import REPORT, load_model
+from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 from taylor_calibrate.training import Clock, autocast, warmup_cosine
@@ -520,9 +521,8 @@ def run_distill(args: DistillArgs) -> dict:
         tokenizer.save_pretrained(out / "model")
         report.update(student=args.student, teacher=teacher_spec, train_rows=len(train_rows),
                       tokens_dir=str(train_rows.root),
-                      profile=profile, backend=backend, device=str(device), wall_s=time.perf_counter() - t0,
-                      args=asdict(args))
-        write_json(out / REPORT, report)
+                      profile=profile, backend=backend, device=str(device), wall_s=time.perf_counter() - t0)
+        report = record(out / REPORT, report, args)
         first, final = report["heldout_loss"][0], report["heldout_loss"][-1]
         print(f"\ndistilled {args.student} toward {teacher_spec}: {report['tokens']:,} tokens in {report['steps']} "
               f"steps on {ctx.world} process(es)")

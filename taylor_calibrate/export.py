@@ -1,9 +1,6 @@
 """Export: save a hybrid (safetensors + config + tokenizer + report.json) and load it back with clear errors."""
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -12,25 +9,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 REPORT = "report.json"
 
 
-def write_json(path: str | Path, obj: dict) -> None:
-    """Atomic write: a killed run never leaves a half-written report behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def save_hybrid(model, tokenizer, out_dir: str | Path, report: dict | None = None) -> Path:
+def save_hybrid(model, tokenizer, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    if report is not None:
-        write_json(out / REPORT, report)
     return out
 
 
