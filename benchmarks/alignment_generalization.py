@@ -16,7 +16,7 @@ from taylor_calibrate.ablate import TeacherPass
 from taylor_calibrate.align import rel_mse
 from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align, load_profile
 from taylor_calibrate.data import CorpusSpec, load_splits
-from taylor_calibrate.export import write_json
+from taylor_calibrate.results import record
 from taylor_calibrate.policy import gdn_layers, kept_layers
 
 
@@ -64,10 +64,7 @@ def main():
     lines += ["", f"Command: `{command}`"]
     print("\n" + "\n".join(lines))
     if a.out:
-        write_json(a.out, {"teacher": a.teacher, "profile": a.profile, "layers": layers, "rows": rows,
-                           "command": command})
-        with open(a.out.rsplit(".", 1)[0] + ".md", "w") as f:
-            f.write("\n".join(lines) + "\n")
+        record(a.out, {"teacher": a.teacher, "profile": a.profile, "layers": layers, "rows": rows}, a, command=command)
 
 
 if __name__ == "__main__":

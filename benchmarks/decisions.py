@@ -21,7 +21,7 @@ from taylor_calibrate.align import rel_mse
 from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align, load_profile
 from taylor_calibrate.data import CorpusSpec, load_splits
 from taylor_calibrate.evaluate import perplexity
-from taylor_calibrate.export import write_json
+from taylor_calibrate.results import record
 from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.policy import gdn_layers, kept_layers
@@ -174,7 +174,7 @@ VARIANTS += [("copy, conv 8", "copy", {}, {"conv_size": 8}, {}), ("copy, conv 16
 
 # Kept layers of the scored policies as CPU quick ablations chose them: re-scoring greedy needs a conversion of every
 # layer, and fixed lists keep comparisons across files exact. bypass is the current ablation's
-# (benchmarks/results/ablation_smollm2_cpu_quick.md); greedy is an earlier ablation's choice, kept because many result
+# (benchmarks/results/zero_shot/ablation_smollm2_cpu_quick.json); greedy is an earlier ablation's choice, kept because many result
 # files use it (the current ablation's greedy is 1,2,3,23,24,25,27,28).
 ABLATION_KEPT = {"bypass": "layers=0,1,2,16,19,20,23,24", "greedy": "layers=1,2,3,20,21,24,27,28"}
 
@@ -275,10 +275,8 @@ def main():
                      + (f" {r['aligned_ppl']:,.2f} | {r['rel_mse_after']:.4f} |" if a.steps else ""))
     lines += ["", f"Command: `{result['command']}`"]
     print("\n" + "\n".join(lines))
-    if a.out:
-        write_json(a.out, result)
-        with open(a.out.rsplit(".", 1)[0] + ".md", "w") as f:
-            f.write("\n".join(lines) + "\n")
+    if a.out:  # the table above is `taylor-calibrate report <out>`'s view of the same rows
+        record(a.out, result, a, command=result["command"])
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ with backend auto, transformers' own choice for Qwen3_5ForCausalLM), over a cont
 bandwidth roofline (minimum bytes moved per step). Before timing, the exported model's logits are compared with our
 class's, and each model's static decode with its own eager decode.
 
-    python benchmarks/decode_qwen3_5.py --out benchmarks/results/decode_qwen3_5_h200.json     # GPU, one command
+    python benchmarks/decode_qwen3_5.py --out benchmarks/results/performance/decode_qwen3_5_h200.json     # GPU, one command
     python benchmarks/decode_qwen3_5.py --tiny --device cpu --out /tmp/decode_tiny.json       # checks the script
 """
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +24,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from taylor_calibrate.config import GDNConfig
-from taylor_calibrate.export import save_hybrid, write_json
+from taylor_calibrate.export import save_hybrid
+from taylor_calibrate.results import environment, record
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.policy import gdn_layers, kept_layers
 from taylor_calibrate.qwen3_5 import export_qwen3_5, qwen3_form, target_gdn
@@ -42,19 +42,6 @@ def _perf():
     import perf_decode
 
     return SimpleNamespace(**{**vars(perf_common), **vars(perf_decode)})
-
-
-def git_state() -> dict:
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    status = git("status", "--porcelain")
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
 @torch.inference_mode()
@@ -117,12 +104,12 @@ def main(argv=None):
     steps = a.steps or (3 if a.tiny else 64)
     chunk = a.prefill_chunk or (2 if a.tiny else 8)
     res = {"command": "python benchmarks/decode_qwen3_5.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           **git_state(), "args": vars(a), "env": perf.environment(device), "shape": a.shape + (" (tiny)" * a.tiny),
+           "env": environment(), "shape": a.shape + (" (tiny)" * a.tiny),
            "dtype": str(dtype).removeprefix("torch."), "steps": steps, "graph": device.type == "cuda", "rows": {}}
 
     def save():
         if a.out:
-            write_json(a.out, res)
+            res.update(record(a.out, res, a, command=res["command"]))
             Path(a.out).with_suffix(".md").write_text(table(res) + "\n")
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-from provenance import provenance
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from taylor_calibrate.config import GDNConfig
-from taylor_calibrate.export import save_hybrid, write_json
+from taylor_calibrate.export import save_hybrid
+from taylor_calibrate.results import record
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.teacher import load_tokenizer
 
@@ -104,7 +104,6 @@ def main():
     ap.add_argument("--work", default=None, help="working directory (default: a temporary one)")
     ap.add_argument("--out", default=None, help="results JSON (a .md table is written beside it)")
     a = ap.parse_args()
-    prov = provenance(vars(a))  # the tree as it was when the measurement started
     budgets = [int(float(b)) for b in a.budgets.split(",")]
     work = Path(a.work or tempfile.mkdtemp(prefix="distill_memory_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -120,14 +119,14 @@ def main():
         r["vs_first"] = r["peak_rss_mb"] / base
     res = {"what": "peak RSS of distill (tiny random hybrid, real tokenizer, CPU) once it has logged "
                    f"{a.steps} steps, by --train.tokens", "corpus": a.corpus, "corpus_tokens": meta["tokens"],
-           "tokenize_s": time.perf_counter() - t0, "rows": rows, **prov}
+           "tokenize_s": time.perf_counter() - t0, "rows": rows}
     table = ["| budget (tokens) | steps logged | peak RSS MB | / first |", "|---|---|---|---|"]
     table += [f"| {r['budget_tokens']:,} | {r['steps_logged']} | {r['peak_rss_mb']:.0f} | {r['vs_first']:.3f} |"
               for r in rows]
     print(json.dumps(res, indent=1))
     print("\n".join(table))
     if a.out:
-        write_json(Path(a.out), res)
+        res = record(a.out, res, a)
         Path(a.out).with_suffix(".md").write_text(res["what"] + "\n\n" + "\n".join(table) + "\n")
 
 

@@ -6,7 +6,7 @@ Random weights and random tokens (speed depends on neither): a uniform policy (k
 torch.compile on CUDA by default), timed after the first step. A configuration that runs out of memory is recorded
 as such. The JSON is rewritten after every row; a markdown twin goes beside it. `--tiny` runs tiny shapes (CPU).
 
-    python benchmarks/distill_throughput.py --out benchmarks/results/distill_throughput_h200.json
+    python benchmarks/distill_throughput.py --out benchmarks/results/performance/distill_throughput_h200.json
     python benchmarks/distill_throughput.py --tiny --device cpu --out /tmp/distill_throughput_tiny.json
 """
 from __future__ import annotations
@@ -19,11 +19,10 @@ from pathlib import Path
 
 import torch
 from perf_common import build_teacher, free, mb, profiled
-from provenance import provenance
 
 from taylor_calibrate.config import GDNConfig, TrainArgs
 from taylor_calibrate.distill import distill
-from taylor_calibrate.export import write_json
+from taylor_calibrate.results import record
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.policy import gdn_layers, kept_layers
 from taylor_calibrate.teacher import resolve_device
@@ -95,7 +94,7 @@ def main():
     if a.tiny:
         a.batch_size, a.seq_len, a.steps = min(a.batch_size, 4), min(a.seq_len, 32), min(a.steps, 3)
     micro = {s: [int(m) for m in ms.split(",")] for s, ms in (x.split(":") for x in a.micro.split(";"))}
-    res = {"what": __doc__.splitlines()[0], "rows": [], **provenance({k: v for k, v in vars(a).items()})}
+    res = {"what": __doc__.splitlines()[0], "rows": []}
     for shape in a.shapes.split(","):
         for m in micro.get(shape, [a.batch_size]):
             m = min(m, a.batch_size)
@@ -104,7 +103,7 @@ def main():
                 print(json.dumps(row), flush=True)
                 res["rows"].append(row)
                 if a.out:
-                    write_json(Path(a.out), res)
+                    res.update(record(a.out, res, a))
                     Path(a.out).with_suffix(".md").write_text(f"{res['what']}\n\n{table(res['rows'])}\n\n"
                                                               f"Command: `{res['command']}` at {res['commit']}\n")
     print(json.dumps(res, indent=1))

@@ -15,7 +15,7 @@ import torch
 
 from taylor_calibrate import GDNConfig, convert_teacher
 from taylor_calibrate.data import CorpusSpec, load_splits
-from taylor_calibrate.export import write_json
+from taylor_calibrate.results import record
 from taylor_calibrate.policy import gdn_layers, kept_layers
 from taylor_calibrate.teacher import load_teacher
 
@@ -66,7 +66,7 @@ def main():
     print(f"| run | rel. RMS error vs fp32 torch | forward s |\n|---|---|---|\n"
           f"| torch reference, bf16 | {err_torch:.2e} | {t_torch:.3f} |\n| fla kernels, bf16 | {err_fla:.2e} | {t_fla:.3f} |")
     if a.out:
-        write_json(a.out, result)
+        record(a.out, result, a, command=result["command"])
 
 
 if __name__ == "__main__":

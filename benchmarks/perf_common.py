@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from taylor_calibrate import ops
 from taylor_calibrate.config import GDNConfig
-from taylor_calibrate.export import write_json
+from taylor_calibrate.results import environment, record
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.policy import gdn_layers, kept_layers
 from taylor_calibrate.teacher import embedded_teacher_path, resolve_device
@@ -198,19 +198,6 @@ def row_errors(teacher_row: dict, hybrid_row: dict) -> str:
     return "".join(f" {n}: {x['error']}" for n, x in (("teacher", teacher_row), ("hybrid", hybrid_row)) if "error" in x)
 
 
-def environment(device: torch.device) -> dict:
-    import transformers
-
-    def version(mod):
-        try:
-            return __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            return None
-
-    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-            "triton": version("triton"), "fla": version("fla"), "transformers": transformers.__version__}
-
-
 def markdown(res: dict) -> list[str]:
     """The markdown rendering of a benchmark's JSON: one section per part it holds."""
     lines = []
@@ -329,18 +316,18 @@ def run_benchmark(script: str, doc: str, part, defaults: dict, add_arguments=Non
     if not a.tiny and device.type != "cuda":
         print(f"[{script}] warning: full shapes on a CPU will take very long; use --tiny", flush=True)
     res = {"command": f"python benchmarks/{script}.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "env": environment(device)}
+           "env": environment()}
 
     def render() -> str:
         env = res["env"]
-        lines = [f"# taylor-calibrate performance: {script} ({env.get('device', '?')})", "",
+        lines = [f"# taylor-calibrate performance: {script} ({env.get('gpu', '?')})", "",
                  f"torch {env.get('torch')}, triton {env.get('triton')}, fla {env.get('fla')}, transformers "
                  f"{env.get('transformers')}; random weights.", ""]
         return "\n".join(lines + markdown(res) + [f"Command: `{res['command']}`", ""])
 
     def save():
         if a.out:
-            write_json(a.out, res)
+            res.update(record(a.out, res, a, command=res["command"]))
             Path(a.out).with_suffix(".md").write_text(render())
 
     t = time.perf_counter()

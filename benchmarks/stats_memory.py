@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from taylor_calibrate.export import write_json
+from taylor_calibrate.results import record
 from taylor_calibrate.stats import collect_stats
 from taylor_calibrate.teacher import load_teacher
 
@@ -55,7 +55,7 @@ def main():
         print(f"| {T} | {r['forward_peak_mb']:.0f} | {r['stats_peak_mb']:.0f} | {r['extra_mb']:.0f} | "
               f"{r['naive_attention_matrix_mb']:.0f} | {r['stats_s'] / r['forward_s']:.1f} |")
     if a.out:
-        write_json(a.out, result)
+        record(a.out, result, a, command=result["command"])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Runs, at the same profile and budget: `convert` (our format), `convert --target 
 then `eval --niah` on our hybrid (with the teacher) and on the export (loaded as transformers' Qwen3_5ForCausalLM).
 Prints JSON and a table: held-out perplexity of teacher / ours / the export, the export's over ours, NIAH accuracy.
 
-    python benchmarks/target_qwen3_5.py --out benchmarks/results/target_qwen3_5_smollm2_h200.json   # GPU, SmolLM2
+    python benchmarks/target_qwen3_5.py --out benchmarks/results/zero_shot/target_qwen3_5_smollm2_h200.json   # GPU, SmolLM2
     python benchmarks/target_qwen3_5.py --teacher DIR --work /tmp/w --out /tmp/t.json -- --data.source CORPUS ...
 Arguments after `--` go to every convert and eval call (data options, --device, ...); --convert-args (one quoted
 string) to the two convert calls only (e.g. "--phase2.steps 100").
@@ -12,22 +12,13 @@ string) to the two convert calls only (e.g. "--phase2.steps 100").
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shlex
 import sys
 from pathlib import Path
 
 from taylor_calibrate.cli import main as cli
-from taylor_calibrate.export import write_json
-
-
-def _git_state() -> dict:
-    path = Path(__file__).with_name("decode_qwen3_5.py")
-    spec = importlib.util.spec_from_file_location("decode_qwen3_5_benchmark", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.git_state()
+from taylor_calibrate.results import record
 
 
 def run(argv: list[str]) -> None:
@@ -58,7 +49,7 @@ def main(argv=None):
     ours = json.loads((w / "eval_ours" / "report.json").read_text())
     served = json.loads((w / "eval_served" / "report.json").read_text())
     target = json.loads((w / "target" / "report.json").read_text())
-    res = {"command": "python benchmarks/target_qwen3_5.py " + " ".join(argv), **_git_state(),
+    res = {"command": "python benchmarks/target_qwen3_5.py " + " ".join(argv), 
            "teacher": a.teacher, "teacher_ppl": ours.get("teacher_ppl"), "ours_ppl": ours["model_ppl"],
            "served_ppl": served["model_ppl"], "served_over_ours": served["model_ppl"] / ours["model_ppl"],
            "target_convert_ppl": target["hybrid_ppl"], "kept_layers": target["kept_layers"],
@@ -76,7 +67,7 @@ def main(argv=None):
             cells = ", ".join(f"{n}: {'-' if v is None else f'{v:.2f}'}" for n, v in by_len.items())
             lines.append(f"- NIAH {task} ({who}): {cells}")
     if a.out:
-        write_json(a.out, res)
+        res.update(record(a.out, res, a, command=res["command"]))
         Path(a.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(json.dumps(res, indent=2, default=str))
     print("\n".join(lines))

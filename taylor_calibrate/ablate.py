@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.config import INITS, AblateArgs, AlignArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import perplexity
-from taylor_calibrate.export import write_json
+from taylor_calibrate.results import record
 from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import bypass_scores, gdn_layers, greedy_scores, kept_layers
@@ -164,10 +164,9 @@ def run_ablate(args: AblateArgs) -> dict:
         "policy_scores": scores,
         "align": {m: {k: v for k, v in r.items() if k != "layers"} for m, r in align_reports.items()},
         "profile": profile, "backend": backend, "device": str(device), "wall_s": time.perf_counter() - t0,
-        "command": args.command or "taylor-calibrate ablate", "args": asdict(args),
     }
     out = Path(args.out)
-    write_json(out / "ablation.json", result)
+    result = record(out / "ablation.json", result, args)
     (out / "ablation.md").write_text(markdown_table(result))
     print(markdown_table(result))
     return result

@@ -20,6 +20,7 @@ from taylor_calibrate.distill import run_distill
 from taylor_calibrate.evaluate import run_eval
 from taylor_calibrate.qwen3_5 import run_export
 from taylor_calibrate.recovery import run_recovery
+from taylor_calibrate.results import ReportArgs, run_report
 
 COMMANDS = {
     "convert": (ConvertArgs, run_convert),
@@ -29,6 +30,7 @@ COMMANDS = {
     "distill": (DistillArgs, run_distill),
     "recovery": (RecoveryArgs, run_recovery),
     "export": (ExportArgs, run_export),
+    "report": (ReportArgs, run_report),
 }
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from taylor_calibrate.align import RopedAttention, align_attention, align_layers
@@ -17,9 +16,10 @@ from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.config import ConvertArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import check_finite_eval, perplexity, print_table
-from taylor_calibrate.export import REPORT, check_finite, staged_dir, write_json
+from taylor_calibrate.export import REPORT, check_finite, staged_dir
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.ops import resolve_backend, training_backend
+from taylor_calibrate.results import record
 from taylor_calibrate.policy import (RETRIEVAL, SCORED, bypass_scores, gdn_layers, greedy_scores, group_scores,
                                      kept_groups_of, kept_layers, layer_groups)
 from taylor_calibrate.qwen3_5 import check_qwen3_form, fit_qk_norm, qwen3_form, target_gdn
@@ -212,7 +212,6 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
         "stage_s": times,
-        "args": asdict(args),
     }
     if save:  # model, tokenizer and report appear together, or not at all
         with staged_dir(args.out) as tmp:
@@ -221,7 +220,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
             teacher.tokenizer.save_pretrained(tmp)
             times["save_s"] = time.perf_counter() - t
             report["wall_s"] = time.perf_counter() - t0
-            write_json(tmp / REPORT, report)
+            report = record(tmp / REPORT, report, args)
     else:
         report["wall_s"] = time.perf_counter() - t0
 

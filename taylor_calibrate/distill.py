@@ -42,7 +42,8 @@ from tqdm.auto import tqdm
 from taylor_calibrate.config import (DistillArgs, TrainArgs, apply_profile, apply_train_profile)
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.data import TokenWindows, distill_data, step_windows
-from taylor_calibrate.export import REPORT, check_finite, load_model, staged_dir, write_json
+from taylor_calibrate.export import REPORT, check_finite, load_model, staged_dir
+from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 from taylor_calibrate.training import Clock, autocast, warmup_cosine
@@ -616,9 +617,8 @@ def run_distill(args: DistillArgs) -> dict:
             tokenizer.save_pretrained(tmp)
         report.update(student=args.student, teacher=teacher_spec, train_rows=len(train_rows),
                       tokens_dir=str(train_rows.root),
-                      profile=profile, backend=backend, device=str(device), wall_s=time.perf_counter() - t0,
-                      args=asdict(args))
-        write_json(out / REPORT, report)
+                      profile=profile, backend=backend, device=str(device), wall_s=time.perf_counter() - t0)
+        report = record(out / REPORT, report, args)
         first, final = report["heldout_loss"][0], report["heldout_loss"][-1]
         print(f"\ndistilled {args.student} toward {teacher_spec}: {report['tokens']:,} tokens in {report['steps']} "
               f"steps on {ctx.world} process(es)")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -20,7 +19,8 @@ from tqdm.auto import tqdm
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.config import EvalArgs, apply_profile
 from taylor_calibrate.data import load_splits
-from taylor_calibrate.export import REPORT, load_model, write_json
+from taylor_calibrate.export import REPORT, load_model
+from taylor_calibrate.results import record
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.retrieval import niah_scores
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
@@ -200,8 +200,8 @@ def run_eval(args: EvalArgs) -> dict:
                                           args.lm_eval_limit, args.eval_batch_size)
         times["lm_eval_s"] = time.perf_counter() - t
     report.update(eval_tokens=int(splits.heldout[:, 1:].numel()), backend=backend, stage_s=times,
-                  wall_s=time.perf_counter() - t0, args=asdict(args))
-    write_json(out / REPORT, report)
+                  wall_s=time.perf_counter() - t0)
+    report = record(out / REPORT, report, args)
 
     rows = [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in report.items()
             if k in ("model", "model_ppl", "teacher", "teacher_ppl", "eval_tokens", "backend")]

@@ -11,26 +11,16 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from taylor_calibrate.results import write_json
+
 log = logging.getLogger("taylor_calibrate")
 
 REPORT = "report.json"
-
-
-def write_json(path: str | Path, obj: dict) -> None:
-    """Atomic write: a killed run never leaves a half-written report behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _alive(pid: int) -> bool:

@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict
+
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ from taylor_calibrate.config import RecoveryArgs, apply_profile, apply_train_pro
 from taylor_calibrate.data import TokenSplits, distill_data
 from taylor_calibrate.distill import distill
 from taylor_calibrate.evaluate import perplexity
-from taylor_calibrate.export import write_json
+from taylor_calibrate.results import record, write_json
 from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import gdn_layers
@@ -263,9 +263,9 @@ def run_recovery(args: RecoveryArgs) -> dict:
             "mfu": sum(mfus) / len(mfus) if mfus else None,
             "align": {m: {k: v for k, v in r.items() if k != "layers"} for m, r in align_reports.items()},
             "profile": profile, "backend": backend, "train_backend": train_backend, "device": str(device),
-            "wall_s": time.perf_counter() - t0, "command": args.command or "taylor-calibrate recovery", "args": asdict(args),
+            "wall_s": time.perf_counter() - t0,
         }
-        write_json(out / "recovery.json", result)
+        result = record(out / "recovery.json", result, args)
         (out / "recovery.md").write_text(markdown(result))
         plot_curves(result, out / "recovery_curves.png")
         return result

@@ -30,8 +30,10 @@ def converted(tmp_path_factory):
 @needs_teacher
 def test_convert_report(converted):
     report = json.loads((converted / "report.json").read_text())
-    for key in ("teacher", "init", "policy", "layer_types", "teacher_ppl", "hybrid_ppl", "wall_s"):
+    for key in ("teacher", "init", "policy", "layer_types", "teacher_ppl", "hybrid_ppl", "wall_s",
+                "commit", "dirty", "command", "args", "env"):  # the results recorder's provenance
         assert key in report
+    assert report["args"]["data"]["calib_seqs"] == 2 and report["args"]["phase2"]["steps"] == 100  # profile-filled
     assert report["kept_layers"] == [0, 4, 8, 12, 16, 20, 24, 28]
     assert report["layer_types"].count("linear_attention") == 22
     assert 1 < report["teacher_ppl"] < 100, "the real teacher should model Python source well"
