@@ -120,3 +120,29 @@ def smollm2_tokenizer():
     except FileNotFoundError as e:
         pytest.skip(str(e))
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (its directory on sys.path, as when it runs as a script)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", root / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def decoded_logits(model, ids, prefill: int):
+    """Logits of `ids` from a prefill of `prefill` tokens and then one token at a time through the cache."""
+    out = model(ids[:, :prefill], use_cache=True)
+    cache, logits = out.cache, [out.logits]
+    for t in range(prefill, ids.shape[1]):
+        out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
+        logits.append(out.logits)
+    return torch.cat(logits, 1)

@@ -1,23 +1,15 @@
 """benchmarks/decode_qwen3_5.py end to end on tiny shapes (CPU): the export runs in transformers' class and gives our
 logits, every model decodes through the static cache, the JSON and its table are written."""
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_qwen3_5.py"
-
-
 def test_tiny_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("decode_qwen3_5_benchmark", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("decode_qwen3_5")
     out = tmp_path / "decode.json"
     mod.main(["--tiny", "--device", "cpu", "--out", str(out)])
     res = json.loads(out.read_text())

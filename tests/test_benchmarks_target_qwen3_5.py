@@ -1,24 +1,15 @@
 """benchmarks/target_qwen3_5.py end to end on a tiny local Llama teacher (CPU): both conversions, the export, both
 evaluations; the export's held-out perplexity is the target conversion's, and the table is written."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import tiny_local_teacher
+from conftest import load_benchmark, tiny_local_teacher
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "target_qwen3_5.py"
-
-
 def test_tiny_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("target_qwen3_5_benchmark", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("target_qwen3_5")
     teacher, corpus = tiny_local_teacher(tmp_path)
     out = tmp_path / "res.json"
     mod.main(["--teacher", str(teacher), "--work", str(tmp_path / "w"), "--niah-lengths", "512", "--niah-samples", "1",
