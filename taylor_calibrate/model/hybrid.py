@@ -256,8 +256,8 @@ def swapped_into(teacher: PreTrainedModel, mixers: dict[int, GatedDeltaNet]):
 @torch.no_grad()
 def copy_buffers(src: nn.Module, dst: nn.Module) -> None:
     """Give `dst` the buffers of `src` that it shares by name (RoPE's inv_freq), dtype included: `.to(bf16)` of a
-    freshly built model casts inv_freq to bf16 (a rounding error that grows to radians of phase at long positions), while the
-    teacher, loaded with its dtype, keeps it fp32."""
+    freshly built model casts inv_freq to bf16 (a rounding error that grows to radians of phase at long positions),
+    while the teacher, loaded with its dtype, keeps it fp32."""
     mods = dict(dst.named_modules())
     for name, buf in src.named_buffers():
         owner, _, leaf = name.rpartition(".")
