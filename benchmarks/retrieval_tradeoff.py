@@ -8,43 +8,17 @@ answer log-probability, beside the teacher's. Writes JSON (+ a markdown table an
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import shlex
-import subprocess
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from taylor_calibrate.config import ConvertArgs, apply_profile
 from taylor_calibrate.convert import convert_loaded
+from taylor_calibrate.results import record, write_text
 from taylor_calibrate.retrieval import answer_scores, eval_probes, niah_scores
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
-
-
-def _git(*cmd) -> str | None:
-    try:
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def provenance(a: argparse.Namespace) -> dict:
-    import transformers
-    try:
-        import fla
-        fla_version = getattr(fla, "__version__", "present")
-    except ImportError:
-        fla_version = None
-    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-            "command": "python " + shlex.join(sys.argv), "args": vars(a),
-            "env": {"python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "fla": fla_version,
-                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}}
 
 
 def niah_of(model, tokenizer, a) -> dict:
@@ -97,7 +71,7 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--teacher", default="smollm2-135m")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25, 0.5])
@@ -115,7 +89,7 @@ def main():
     ap.add_argument("--device", default="auto")
     ap.add_argument("--convert", default="", help="extra convert flags, e.g. '--phase2.steps 600'")
     ap.add_argument("--out", default="retrieval_smollm2.json")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     from taylor_calibrate.cli import parse
     _, base = parse(["convert", "--teacher", a.teacher, "--profile", a.profile, "--device", a.device,
@@ -127,7 +101,7 @@ def main():
     t0 = time.perf_counter()
     result = {"teacher": {"niah": niah_of(teacher.model, tok, a),
                           "answer_logprob": answer_scores(teacher.model, long_probes)["logprob"]},
-              "rows": [], **provenance(a)}
+              "rows": []}
     runs = [(p, b, 0) for b in a.budgets for p in a.policies]
     runs += [(a.seed_policy, a.seed_budget, s) for s in a.seeds if s != 0]
     for policy, budget, seed in runs:
@@ -148,11 +122,11 @@ def main():
         result["convert_args"] = asdict(args)
         del hybrid
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-        Path(a.out).write_text(json.dumps(result, indent=1))  # after every row: a killed run keeps what it measured
+        result = record(a.out, result, a)  # after every row: a killed run keeps what it measured
         print(markdown(result), flush=True)
     result["wall_s"] = time.perf_counter() - t0
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    Path(a.out).with_suffix(".md").write_text(markdown(result))
+    result = record(a.out, result, a)
+    write_text(Path(a.out).with_suffix(".md"), markdown(result))
     plot(result, Path(a.out).with_suffix(".png"))
     print(markdown(result))
 
