@@ -404,10 +404,11 @@ def test_half_written_metrics_line_is_dropped_on_resume(w):
 
 # --- messages and help -----------------------------------------------------------------------------------------
 def test_error_messages_name_real_flags():
-    """Every --flag the package's messages mention is an option of some subcommand (pip's and torchrun's aside)."""
+    """Every --flag the package's messages mention is an option of some subcommand (pip's, torchrun's and the git
+    call of the results recorder aside)."""
     from taylor_calibrate.cli import build_parser
     parser = build_parser()
-    real = {"--help", "--config", "--nproc_per_node"}  # and torchrun's
+    real = {"--help", "--config", "--nproc_per_node", "--porcelain"}  # torchrun's, git's
     for sub in parser._subcommands_action.choices.values():
         for action in sub._actions:
             real.update(action.option_strings)
