@@ -40,19 +40,15 @@ def prefilled_static_cache(model, ids, max_len: int, chunk: int):
         nxt.append(out.logits[:, -1:].argmax(-1))
         for src, dst in zip(out.cache.layers, static.layers):
             if hasattr(dst, "recurrent_states"):  # a GDN layer: recurrent (and conv) states, no KV
-                for i, s in src.recurrent_states.items():
-                    if s is None:
-                        continue
-                    if not dst.is_recurrent_states_initialized[i]:
-                        dst.lazy_initialization(recurrent_states=s.new_zeros(B, *s.shape[1:]), state_idx=i)
-                    dst.recurrent_states[i][rows].copy_(s)
-                for i, s in src.conv_states.items():
-                    if s is None:
-                        continue
-                    if not dst.is_conv_states_initialized[i]:
-                        dst.lazy_initialization(conv_states=s.new_zeros(B, *s.shape[1:]), state_idx=i)
-                    dst.conv_states[i][rows].copy_(s)
-                    dst.has_previous_state[i] = True
+                for kind in ("recurrent", "conv"):
+                    for i, s in getattr(src, f"{kind}_states").items():
+                        if s is None:
+                            continue
+                        if not getattr(dst, f"is_{kind}_states_initialized")[i]:
+                            dst.lazy_initialization(**{f"{kind}_states": s.new_zeros(B, *s.shape[1:])}, state_idx=i)
+                        getattr(dst, f"{kind}_states")[i][rows].copy_(s)
+                        if kind == "conv":
+                            dst.has_previous_state[i] = True
             else:
                 if not dst.is_initialized:
                     dst.lazy_initialization(src.keys.new_empty(B, *src.keys.shape[1:]),
