@@ -36,6 +36,11 @@ def git_state(repo: str | Path = PACKAGE_ROOT) -> tuple[str | None, bool | None]
     return head.stdout.strip(), (bool(status.stdout.strip()) if status.returncode == 0 else None)
 
 
+PACKAGE_STATE = git_state()
+"""The package's git state when this process imported it: the code that runs, even when the tree moves on before a
+long run writes its results."""
+
+
 def _version(*dists: str) -> str | None:
     for d in dists:
         try:
@@ -83,7 +88,8 @@ def record(path: str | Path, result: dict, args=None, command: str | None = None
     """Write `result` to `path` as JSON with its provenance, atomically (a temporary file renamed into place: a
     killed run leaves the old file or the new one, never half of one). `args` are the fully resolved arguments
     (after profiles filled them); `command` defaults to `args.command` or this process's command line."""
-    commit, dirty = git_state(repo)
+    same = Path(repo).resolve() == PACKAGE_ROOT
+    commit, dirty = PACKAGE_STATE if same else git_state(repo)
     if command is None:
         command = getattr(args, "command", None) or command_line()
     out = {**result, "commit": commit, "dirty": dirty, "command": command, "args": resolved_args(args),

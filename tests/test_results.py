@@ -110,3 +110,9 @@ def test_report_renders_the_json(tmp_path, repo, capsys):
     assert main(["report", "--file", str(path), "--out", str(out)]) == 2  # never overwrites
     assert "exists" in capsys.readouterr().err
     assert main(["report", "--file", str(tmp_path / "missing.json")]) == 2
+
+
+def test_record_keeps_the_commit_the_process_imported(tmp_path, monkeypatch):
+    """A run that outlives a commit records the code it ran (the state at import), not the later HEAD."""
+    monkeypatch.setattr(results, "PACKAGE_STATE", ("abc123", False))
+    assert results.record(tmp_path / "r.json", {"x": 1})["commit"] == "abc123"
