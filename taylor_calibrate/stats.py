@@ -240,9 +240,9 @@ def head_columns(config, kept: list[int] | None) -> torch.Tensor | None:
     (None: no group kept, the layer is converted whole)."""
     if not kept:
         return None
-    from taylor_calibrate.model.hybrid import converted_heads
+    from taylor_calibrate.model.hybrid import converted_heads, head_dim_of
 
-    D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    D = head_dim_of(config)
     return torch.tensor([h * D + j for h in converted_heads(config, kept) for j in range(D)])
 
 

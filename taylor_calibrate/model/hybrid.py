@@ -58,7 +58,8 @@ def make_hybrid_config(teacher_config, gdn_layers: list[int], gdn: GDNConfig, te
                         architectures=["HybridForCausalLM"])
 
 
-def _head_dim(cfg) -> int:
+def head_dim_of(cfg) -> int:
+    """A config's attention head dim (explicit, or hidden size / heads)."""
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
@@ -77,7 +78,7 @@ def _new_gdn(base, gdn_cfg: GDNConfig, layer_idx: int, attn: nn.Module, kept: li
     """The GDN mixer of a converted layer; head-wise (`kept` groups stay attention) it holds the other heads only,
     and the o_proj bias stays with the attention part."""
     heads = len(converted_heads(base, kept))
-    return GatedDeltaNet(base.hidden_size, heads, _head_dim(base), gdn_cfg, layer_idx,
+    return GatedDeltaNet(base.hidden_size, heads, head_dim_of(base), gdn_cfg, layer_idx,
                          qkv_bias=gdn_cfg.bias and attn.q_proj.bias is not None,
                          o_bias=gdn_cfg.bias and attn.o_proj.bias is not None and not kept)
 
@@ -88,7 +89,7 @@ def attention_part(attn: nn.Module, config, groups: list[int], o_bias: bool = Tr
     W_O columns): same class, so RoPE, q/k norms, windows and softcap behave as the teacher's. `o_bias=False` leaves
     W_O's bias out (for a GDN mixer copied from the part; the bias stays with the kept heads)."""
     cfg = copy.deepcopy(config)
-    D = _head_dim(config)
+    D = head_dim_of(config)
     q = torch.tensor(group_heads(config, groups))
     kv = torch.tensor(sorted(groups))
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = len(q), len(kv), D
