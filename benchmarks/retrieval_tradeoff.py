@@ -15,7 +15,12 @@ from pathlib import Path
 
 import torch
 
+from taylor_calibrate.config import apply_profile, apply_train_profile
 from taylor_calibrate.convert import convert_loaded
+from taylor_calibrate.data import distill_data, load_splits
+from taylor_calibrate.distill import distill
+from taylor_calibrate.evaluate import perplexity
+from taylor_calibrate.ops import training_backend
 from taylor_calibrate.results import record, write_text
 from taylor_calibrate.retrieval import answer_scores, eval_probes, niah_scores
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
@@ -26,22 +31,51 @@ def niah_of(model, tokenizer, a) -> dict:
                        batch_size=a.niah_batch)
 
 
+def end_to_end(hybrid, teacher, row: dict, convert_args, a, device) -> dict:
+    """The end-to-end phase after conversion (`distill` of the whole hybrid toward the teacher for --distill-tokens
+    tokens, options from --distill), then the same measurements as the zero-shot row: a row with distill_tokens > 0."""
+    from taylor_calibrate.cli import parse
+
+    _, d = parse(["distill", "--profile", convert_args.profile, *shlex.split(a.distill)])
+    apply_profile(d, device.type)
+    apply_train_profile(d.train, d.profile)
+    d.train.tokens = a.distill_tokens
+    work = Path(a.out).with_suffix("") / f"e2e_{row['policy']}_{row['kv_budget']}_{row['seed']}"
+    rows, heldout = distill_data(d.data, teacher.tokenizer, work / "tokens", d.train.tokens)
+    dtype = next(hybrid.parameters()).dtype
+    student = hybrid.float()
+    student.set_backend(training_backend(student.set_backend(d.backend), d.backend, True))
+    rep = distill(student, teacher.model, rows, heldout, d.train, work, resume=False,
+                  eval_batch_size=convert_args.eval_batch_size, desc=f"{row['policy']} end-to-end",
+                  teacher_spec=convert_args.teacher)
+    hybrid = student.to(dtype).eval()
+    hybrid.set_backend(convert_args.backend)
+    c = convert_args.data  # the zero-shot rows' held-out text, for a comparable perplexity
+    splits = load_splits(c, teacher.tokenizer, c.seq_len, c.calib_seqs, c.eval_seqs)
+    out = {**row, "distill_tokens": rep["tokens"], "distill_seq_len": rep["seq_len"],
+           "distill_args": {"train": asdict(d.train), "data": asdict(d.data)},
+           "distill": {k: rep[k] for k in ("eval_tokens", "heldout_loss", "heldout_kl", "tokens_per_s", "mfu")},
+           "ppl": perplexity(hybrid, splits.heldout, convert_args.eval_batch_size, "e2e ppl")["ppl"]}
+    return out, hybrid
+
+
 def markdown(result: dict) -> str:
     lengths = [str(n) for n in result["args"]["lengths"]]
     tasks = result["args"]["tasks"]
-    head = "| policy | granularity | KV | PPL (x teacher) | answer log-prob (4K) | " + " | ".join(
+    head = "| policy | granularity | KV | distill tokens | PPL (x teacher) | answer log-prob (4K) | " + " | ".join(
         f"{t} {n}" for t in tasks for n in lengths) + " |"
-    lines = [head, "|" + "---|" * (5 + len(tasks) * len(lengths))]
+    lines = [head, "|" + "---|" * (6 + len(tasks) * len(lengths))]
 
-    def row(name, gran, kv, ppl, ratio, lp, niah):
+    def row(name, gran, kv, tokens, ppl, ratio, lp, niah):
         cells = [f"{niah[t][n]:.2f}" if niah[t][n] is not None else "-" for t in tasks for n in lengths]
-        lines.append(f"| {name} | {gran} | {kv} | {ppl:.3f} ({ratio:.2f}x) | {lp:.2f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {gran} | {kv} | {tokens:,} | {ppl:.3f} ({ratio:.2f}x) | {lp:.2f} | "
+                     + " | ".join(cells) + " |")
 
     t = result["teacher"]
-    row("teacher", "-", "100%", t["ppl"], 1.0, t["answer_logprob"], t["niah"])
+    row("teacher", "-", "100%", 0, t["ppl"], 1.0, t["answer_logprob"], t["niah"])
     for r in result["rows"]:
-        row(r["policy"], r["granularity"], f"{r['kv_fraction']:.1%}", r["ppl"], r["ppl"] / t["ppl"],
-            r["answer_logprob"], r["niah"])
+        row(r["policy"], r["granularity"], f"{r['kv_fraction']:.1%}", r["distill_tokens"], r["ppl"],
+            r["ppl"] / t["ppl"], r["answer_logprob"], r["niah"])
     return "\n".join(lines) + "\n"
 
 
@@ -88,6 +122,10 @@ def main(argv=None):
     ap.add_argument("--profile", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--convert", default="", help="extra convert flags, e.g. '--phase2.steps 600'")
+    ap.add_argument("--distill-tokens", type=int, default=0,
+                    help="after each zero-shot row, an end-to-end phase of this many tokens (distill) and its row")
+    ap.add_argument("--distill", default="", help="distill flags of the end-to-end phase, e.g. "
+                    "'--train.repeat_spans 0.5 --data.source pysrc --data.seq_len 4096'")
     ap.add_argument("--out", default="retrieval_smollm2.json")
     a = ap.parse_args(argv)
 
@@ -120,6 +158,13 @@ def main(argv=None):
         row["row_s"] = time.perf_counter() - t
         result["rows"].append(row)
         result["convert_args"] = asdict(args)
+        if a.distill_tokens:
+            result = record(a.out, result, a)
+            t = time.perf_counter()
+            e2e, hybrid = end_to_end(hybrid, teacher, row, args, a, device)
+            e2e.update(answer_logprob=answer_scores(hybrid, long_probes)["logprob"],
+                       probe_retrieval=None, niah=niah_of(hybrid, tok, a), row_s=time.perf_counter() - t)
+            result["rows"].append(e2e)
         del hybrid
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         result = record(a.out, result, a)  # after every row: a killed run keeps what it measured

@@ -496,6 +496,10 @@ class TrainArgs:
     """Tokens per chunk of the KL term: fp32 softmaxes and the gradient are computed one chunk at a time, so memory
     beyond the bf16 logits stays one chunk (0: the plain unchunked KL, the reference; several fp32 copies of
     tokens x vocabulary)."""
+    repeat_spans: float = 0.0
+    """Fraction of training rows given a repeated span: a piece of the row's own text copied again later in the row,
+    which the teacher predicts by attending back over the gap; trains the retrieval a hybrid keeps (docs/method.md,
+    "End-to-end phase"). 0: the corpus windows as they are."""
     hidden_weight: float = 0.0
     """Weight of the hidden-state MSE (every layer's output, relative to the teacher's mean square)."""
     ce_weight: float = 0.0
@@ -529,6 +533,8 @@ class TrainArgs:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"train option {name}={v} must be >= 1")
+        if not 0 <= self.repeat_spans <= 1:
+            raise ValueError(f"train option repeat_spans={self.repeat_spans} must be a fraction of the rows in [0, 1]")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"train option warmup={self.warmup} must be in [0, 1)")
         if self.lr <= 0 or self.temperature <= 0:

@@ -137,13 +137,14 @@ def _stdlib_documents() -> list[tuple[str, str]]:
 
 
 def _pysrc_documents() -> list[tuple[str, str]]:
-    """builtin's documents ("stdlib/<path>") and every source file of the installed packages ("site/<path>": Python,
+    """builtin's documents (with builtin's ids, so at the same heldout_fraction each lands on the same side as in
+    builtin: training on pysrc never reads builtin's held-out text) and every source file of the installed packages ("site/<path>": Python,
     stubs and the C / C++ / CUDA sources and headers they ship, from each site-packages directory in sysconfig / site
     order; a path seen twice is kept once). Files over _PYSRC_MAX_BYTES (generated tables) are skipped. The file set
     is that of the environment that runs the toolkit."""
     import site
 
-    docs = [(f"stdlib/{rel}", text) for rel, text in _stdlib_documents()]
+    docs = _stdlib_documents()
     seen, roots = set(), []
     for r in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()):
         if Path(r).is_dir() and Path(r).resolve() not in {x.resolve() for x in roots}:
@@ -541,6 +542,30 @@ def step_windows(num: int, batch_size: int, step: int, seed: int, rank: int = 0,
         out.append(_epoch_permutation(num, seed, epoch)[off:off + take])
         pos += take
     return torch.cat(out)
+
+
+def repeat_spans(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed: int, step: int) -> torch.Tensor:
+    """Rows carrying retrieval: in about `fraction` of the rows a span of the row's own text from its first half is
+    written again at a random place in its second half (span length T/128 to T/32 tokens, gap up to ~T). Once the copy
+    has begun, the teacher predicts it by attending back over the gap, the signal a hybrid needs to keep retrieval.
+
+    A pure function of (seed, step, window index) per row, so a resumed run and any number of processes see the same
+    rows; returns a new tensor (`ids` is left as it was). `windows`: the rows' window indices."""
+    B, T = ids.shape
+    if fraction <= 0 or T < 16:
+        return ids
+    out = ids.clone()
+    lo, hi = max(2, T // 128), max(2, T // 32)
+    for r, w in enumerate(windows.tolist()):
+        key = int(hashlib.sha1(f"{seed}:{step}:{w}".encode()).hexdigest()[:15], 16)
+        g = torch.Generator().manual_seed(key)
+        if torch.rand((), generator=g).item() >= fraction:
+            continue
+        n = int(torch.randint(lo, hi + 1, (), generator=g))
+        src = int(torch.randint(0, T // 2 - n + 1, (), generator=g))
+        dst = int(torch.randint(T // 2, T - n + 1, (), generator=g))
+        out[r, dst:dst + n] = ids[r, src:src + n]
+    return out
 
 
 def distill_data(spec, tokenizer, default_dir: Path, budget: int, *, main: bool = True,

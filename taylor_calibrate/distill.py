@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from taylor_calibrate.config import (DistillArgs, TrainArgs, apply_profile, apply_train_profile)
 from taylor_calibrate.checks import check_context, check_out
-from taylor_calibrate.data import TokenWindows, distill_data, step_windows
+from taylor_calibrate.data import TokenWindows, distill_data, repeat_spans, step_windows
 from taylor_calibrate.export import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend
@@ -129,6 +129,13 @@ def compile_layers(*models) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(layers))
     for layer in layers:
         layer.compile()
+
+
+def uncompile_layers(*models) -> None:
+    """Undo `compile_layers`: the layers run eagerly again (distill hands its models back as it got them, so a caller
+    that goes on to generate with them does not recompile for every new shape)."""
+    for layer in (layer for m in models for layer in m.model.layers):
+        layer._compiled_call_impl = None
 
 
 # --- the loss ----------------------------------------------------------------------------------------------------
@@ -515,7 +522,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         mine = step_windows(n_rows, args.batch_size, step, args.seed, ctx.rank, ctx.world)  # (per_rank,)
         sums = {}
         for j in range(accum):
-            ids = rows[mine[j * micro:(j + 1) * micro]].to(device, non_blocking=True)
+            windows = mine[j * micro:(j + 1) * micro]
+            ids = repeat_spans(rows[windows], windows, args.repeat_spans, args.seed, step).to(device, non_blocking=True)
             hidden = args.hidden_weight > 0
             with torch.no_grad(), autocast(device):
                 t_out = teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden)
@@ -561,6 +569,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             log.info("%s: past the deadline at step %d of %d: checkpointed; run again to continue", desc, step, steps)
             break
 
+    if compiled:
+        uncompile_layers(student, teacher)
     records = metrics.read() if ctx.main else []
     evals = [r for r in records if "heldout_loss" in r]
     tps = clock.rate(((step if stop else steps) - start - 1) * tokens_per_step)

@@ -341,11 +341,15 @@ def test_pysrc_corpus_is_stdlib_and_site_packages():
     docs = load_documents(CorpusSpec(source="pysrc"))
     ids = [d for d, _ in docs]
     assert len(ids) == len(set(ids))
-    assert "stdlib/os.py" in ids and "site/torch/__init__.py" in ids and "site/numpy/__init__.py" in ids
+    assert "os.py" in ids and "site/torch/__init__.py" in ids and "site/numpy/__init__.py" in ids
     assert len(ids) > 5000 and all(i.endswith((".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".cuh"))
                                    for i in ids)
     assert any(i.startswith("site/torch/include/") and i.endswith(".h") for i in ids)  # C++ headers count too
     assert load_documents(CorpusSpec(source="pysrc"))[:50] == docs[:50]  # deterministic
+    # builtin's documents keep builtin's ids: at the same fraction, builtin's held-out text is held out here too
+    builtin_heldout = {d for d, _ in split_documents(load_documents(CorpusSpec()), 0.5)[1]}
+    pysrc_calib = {d for d, _ in split_documents(docs, 0.5)[0]}
+    assert builtin_heldout and not builtin_heldout & pysrc_calib
 
 
 def test_distill_data_reads_a_token_directory_or_writes_one(tmp_path, caplog):
@@ -370,3 +374,26 @@ def test_distill_data_reads_a_token_directory_or_writes_one(tmp_path, caplog):
     assert "training repeats them" in caplog.text
     with pytest.raises(ValueError, match="another tokenizer than the model's"):
         distill_data(DataArgs(source=str(shards), seq_len=8, eval_seqs=3), byte_tokenizer(), tmp_path / "x", 100)
+
+
+def test_repeat_spans_copy_earlier_text_later_deterministically():
+    from taylor_calibrate.data import repeat_spans
+
+    ids = torch.arange(4 * 1024).reshape(4, 1024)  # every token distinct: a copy is visible as a repeat
+    windows = torch.tensor([7, 3, 11, 5])
+    out = repeat_spans(ids, windows, 1.0, seed=0, step=1)
+    assert out.shape == ids.shape and torch.equal(ids, torch.arange(4 * 1024).reshape(4, 1024))  # input untouched
+    for r in range(4):
+        changed = (out[r] != ids[r]).nonzero().flatten()
+        assert changed.numel() >= 8 and changed.min() >= 512  # written in the second half, >= T/128 tokens
+        n = changed.max() - changed.min() + 1
+        span = out[r, changed.min():changed.max() + 1]
+        assert torch.equal(span, torch.arange(span[0], span[0] + n))  # a contiguous piece of the row's own text
+        assert r * 1024 <= span[0] and span[-1] < r * 1024 + 512  # ... from its first half
+    assert torch.equal(out, repeat_spans(ids, windows, 1.0, seed=0, step=1))  # a pure function of its arguments
+    assert not torch.equal(out, repeat_spans(ids, windows, 1.0, seed=0, step=2))  # another step, other spans
+    # each row's span depends on its window, not on its place in the batch (processes / micro-batches agree)
+    assert torch.equal(repeat_spans(ids[[1]], windows[[1]], 1.0, seed=0, step=1)[0] - 1024, out[1] - 1024)
+    assert torch.equal(repeat_spans(ids, windows, 0.0, seed=0, step=1), ids)
+    some = [int((repeat_spans(ids, windows, 0.5, seed=0, step=s) != ids).any(1).sum()) for s in range(1, 41)]
+    assert 0.3 < sum(some) / (40 * 4) < 0.7  # about the fraction asked
