@@ -8,6 +8,7 @@ answer log-probability, beside the teacher's. Writes JSON (+ a markdown table an
 from __future__ import annotations
 
 import argparse
+import copy
 import shlex
 import time
 from dataclasses import asdict, replace
@@ -31,16 +32,17 @@ def niah_of(model, tokenizer, a) -> dict:
                        batch_size=a.niah_batch)
 
 
-def end_to_end(hybrid, teacher, row: dict, convert_args, a, device) -> dict:
+def end_to_end(hybrid, teacher, row: dict, convert_args, flags: str, tag: str, a, device) -> tuple[dict, object]:
     """The end-to-end phase after conversion (`distill` of the whole hybrid toward the teacher for --distill-tokens
-    tokens, options from --distill), then the same measurements as the zero-shot row: a row with distill_tokens > 0."""
+    tokens, distill options `flags`), then the held-out perplexity of the zero-shot row's text: (row with
+    distill_tokens > 0, the distilled hybrid)."""
     from taylor_calibrate.cli import parse
 
-    _, d = parse(["distill", "--profile", convert_args.profile, *shlex.split(a.distill)])
+    _, d = parse(["distill", "--profile", convert_args.profile, *shlex.split(flags)])
     apply_profile(d, device.type)
     apply_train_profile(d.train, d.profile)
     d.train.tokens = a.distill_tokens
-    work = Path(a.out).with_suffix("") / f"e2e_{row['policy']}_{row['kv_budget']}_{row['seed']}"
+    work = Path(a.out).with_suffix("") / f"e2e_{row['policy']}_{row['kv_budget']}_{row['seed']}_{tag}"
     rows, heldout = distill_data(d.data, teacher.tokenizer, work / "tokens", d.train.tokens)
     dtype = next(hybrid.parameters()).dtype
     student = hybrid.float()
@@ -53,10 +55,17 @@ def end_to_end(hybrid, teacher, row: dict, convert_args, a, device) -> dict:
     c = convert_args.data  # the zero-shot rows' held-out text, for a comparable perplexity
     splits = load_splits(c, teacher.tokenizer, c.seq_len, c.calib_seqs, c.eval_seqs)
     out = {**row, "distill_tokens": rep["tokens"], "distill_seq_len": rep["seq_len"],
-           "distill_args": {"train": asdict(d.train), "data": asdict(d.data)},
+           "distill_flags": flags, "distill_args": {"train": asdict(d.train), "data": asdict(d.data)},
            "distill": {k: rep[k] for k in ("eval_tokens", "heldout_loss", "heldout_kl", "tokens_per_s", "mfu")},
            "ppl": perplexity(hybrid, splits.heldout, convert_args.eval_batch_size, "e2e ppl")["ppl"]}
     return out, hybrid
+
+
+def label(r: dict) -> str:
+    """A row's name: its policy, and for an end-to-end row the phase's repeated-span fraction."""
+    if not r["distill_tokens"]:
+        return r["policy"]
+    return f"{r['policy']} + end-to-end (repeat_spans {r['distill_args']['train']['repeat_spans']})"
 
 
 def markdown(result: dict) -> str:
@@ -74,7 +83,7 @@ def markdown(result: dict) -> str:
     t = result["teacher"]
     row("teacher", "-", "100%", 0, t["ppl"], 1.0, t["answer_logprob"], t["niah"])
     for r in result["rows"]:
-        row(r["policy"], r["granularity"], f"{r['kv_fraction']:.1%}", r["distill_tokens"], r["ppl"],
+        row(label(r), r["granularity"], f"{r['kv_fraction']:.1%}", r["distill_tokens"], r["ppl"],
             r["ppl"] / t["ppl"], r["answer_logprob"], r["niah"])
     return "\n".join(lines) + "\n"
 
@@ -91,16 +100,16 @@ def plot(result: dict, path: Path) -> None:
         vals = [v for cells in niah.values() for v in cells.values() if v is not None]
         return sum(vals) / len(vals)
 
-    for policy in dict.fromkeys(r["policy"] for r in result["rows"]):
-        rows = sorted((r for r in result["rows"] if r["policy"] == policy), key=lambda r: r["kv_fraction"])
+    for name in dict.fromkeys(label(r) for r in result["rows"]):
+        rows = sorted((r for r in result["rows"] if label(r) == name), key=lambda r: r["kv_fraction"])
         kv = [r["kv_fraction"] for r in rows]
-        ax1.plot(kv, [r["ppl"] / t["ppl"] for r in rows], "o-", label=policy)
-        ax2.plot(kv, [mean_niah(r["niah"]) for r in rows], "o-", label=policy)
+        ax1.plot(kv, [r["ppl"] / t["ppl"] for r in rows], "o-", label=name)
+        ax2.plot(kv, [mean_niah(r["niah"]) for r in rows], "o-", label=name)
     ax2.axhline(mean_niah(t["niah"]), color="k", ls="--", label="teacher")
     ax1.set(xlabel="KV cache kept (fraction of the teacher's)", ylabel="held-out PPL / teacher's", yscale="log")
     ax2.set(xlabel="KV cache kept (fraction of the teacher's)", ylabel="NIAH accuracy (mean over cells)", ylim=(0, 1.05))
     ax2.legend(fontsize=8)
-    fig.suptitle(f"{result['args']['teacher']}: zero-shot conversions")
+    fig.suptitle(f"{result['args']['teacher']}: conversions (zero-shot, and after an end-to-end phase)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -124,8 +133,9 @@ def main(argv=None):
     ap.add_argument("--convert", default="", help="extra convert flags, e.g. '--phase2.steps 600'")
     ap.add_argument("--distill-tokens", type=int, default=0,
                     help="after each zero-shot row, an end-to-end phase of this many tokens (distill) and its row")
-    ap.add_argument("--distill", default="", help="distill flags of the end-to-end phase, e.g. "
-                    "'--train.repeat_spans 0.5 --data.source pysrc --data.seq_len 4096'")
+    ap.add_argument("--distill", nargs="+", default=[""], help="distill flags of the end-to-end phase, e.g. "
+                    "'--train.repeat_spans 0.5 --data.source pysrc --data.seq_len 4096'; several: one phase (and row) "
+                    "each, every one from the same zero-shot hybrid")
     ap.add_argument("--out", default="retrieval_smollm2.json")
     a = ap.parse_args(argv)
 
@@ -158,13 +168,14 @@ def main(argv=None):
         row["row_s"] = time.perf_counter() - t
         result["rows"].append(row)
         result["convert_args"] = asdict(args)
-        if a.distill_tokens:
+        for k, flags in enumerate(a.distill if a.distill_tokens else []):
             result = record(a.out, result, a)
             t = time.perf_counter()
-            e2e, hybrid = end_to_end(hybrid, teacher, row, args, a, device)
-            e2e.update(answer_logprob=answer_scores(hybrid, long_probes)["logprob"],
-                       probe_retrieval=None, niah=niah_of(hybrid, tok, a), row_s=time.perf_counter() - t)
+            e2e, tuned = end_to_end(copy.deepcopy(hybrid), teacher, row, args, flags, f"{k}", a, device)
+            e2e.update(answer_logprob=answer_scores(tuned, long_probes)["logprob"],
+                       probe_retrieval=None, niah=niah_of(tuned, tok, a), row_s=time.perf_counter() - t)
             result["rows"].append(e2e)
+            del tuned
         del hybrid
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         result = record(a.out, result, a)  # after every row: a killed run keeps what it measured

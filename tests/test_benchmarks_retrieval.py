@@ -33,9 +33,11 @@ def test_end_to_end_phase_adds_a_distilled_row(tmp_path):
               "--convert", f"--data.source {corpus} --data.seq_len 64 --data.calib_seqs 4 --data.eval_seqs 2 "
                            "--phase2.steps 2 --probe_samples 1",
               "--distill-tokens", "2048", "--distill", f"--data.source {corpus} --data.seq_len 128 --data.eval_seqs 2 "
-                                                       "--train.batch_size 4 --train.repeat_spans 0.5 --train.lr 1e-3"])
+                                                       "--train.batch_size 4 --train.repeat_spans 0.5 --train.lr 1e-3",
+              f"--data.source {corpus} --data.seq_len 128 --data.eval_seqs 2 --train.batch_size 4 --train.lr 1e-3"])
     res = json.loads(out.read_text())
-    zero, e2e = res["rows"]
+    zero, e2e, plain = res["rows"]
+    assert plain["distill_args"]["train"]["repeat_spans"] == 0 and plain["ppl"] != e2e["ppl"]  # each from zero-shot
     assert zero["distill_tokens"] == 0 and e2e["distill_tokens"] == 2048 and e2e["distill_seq_len"] == 128
     assert e2e["kv_fraction"] == zero["kv_fraction"] and e2e["distill_args"]["train"]["repeat_spans"] == 0.5
     assert e2e["ppl"] != zero["ppl"] and len(e2e["distill"]["heldout_loss"]) >= 2  # trained, measured on the same text
