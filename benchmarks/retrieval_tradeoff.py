@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
+import json
 import shlex
 import time
 from dataclasses import asdict, replace
@@ -43,7 +45,9 @@ def end_to_end(hybrid, teacher, row: dict, convert_args, flags: str, tag: str, a
     apply_train_profile(d.train, d.profile)
     d.train.tokens = a.distill_tokens
     work = Path(a.out).with_suffix("") / f"e2e_{row['policy']}_{row['kv_budget']}_{row['seed']}_{tag}"
-    rows, heldout = distill_data(d.data, teacher.tokenizer, work / "tokens", d.train.tokens)
+    corpus = json.dumps([d.data.source, d.data.text_field, d.data.split, d.data.heldout_fraction])
+    shards = Path(a.out).with_suffix("") / f"tokens_{hashlib.sha1(corpus.encode()).hexdigest()[:8]}"  # one per corpus
+    rows, heldout = distill_data(d.data, teacher.tokenizer, shards, d.train.tokens)
     dtype = next(hybrid.parameters()).dtype
     student = hybrid.float()
     student.set_backend(training_backend(student.set_backend(d.backend), d.backend, True))
