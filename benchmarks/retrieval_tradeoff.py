@@ -66,10 +66,11 @@ def end_to_end(hybrid, teacher, row: dict, convert_args, flags: str, tag: str, a
 
 
 def label(r: dict) -> str:
-    """A row's name: its policy, and for an end-to-end row the phase's repeated-span fraction."""
+    """A row's name: its policy, its seed when not 0, and for an end-to-end row the phase's repeated-span fraction."""
+    name = r["policy"] + (f" (seed {r['seed']})" if r.get("seed") else "")
     if not r["distill_tokens"]:
-        return r["policy"]
-    return f"{r['policy']} + end-to-end (repeat_spans {r['distill_args']['train']['repeat_spans']})"
+        return name
+    return f"{name} + end-to-end (repeat_spans {r['distill_args']['train']['repeat_spans']})"
 
 
 def markdown(result: dict) -> str:
