@@ -344,10 +344,12 @@ class ConvertArgs(PipelineArgs):
     copy, library-default dynamics), "zero_gate" (copy with g_proj = 0)."""
     align: bool = True
     """Phase 2 (docs/method.md, "Phase 2: alignment"): teacher-forced per-layer alignment after phase 1."""
-    policy: str = "uniform"
+    policy: str = "auto"
     """Which layers stay softmax attention: "uniform", "bypass", "greedy", "retrieval" (the layers whose heads the
-    teacher retrieves with), "heads" (head-wise: the KV groups the teacher retrieves with, in any layer), or
-    "layers=0,4,8"."""
+    teacher retrieves with), "heads" (head-wise: the KV groups the teacher retrieves with, in any layer),
+    "layers=0,4,8", or "auto": "heads" (whole layers, --target qwen3_5: "retrieval"), the policies that keep the
+    teacher's retrieval (docs/decisions.md, "which heads stay attention"); "uniform" when the teacher's tokenizer or
+    context cannot build the retrieval probes. Resolved once and logged."""
     target: str = "hybrid"
     """"hybrid": our own format (the teacher's modules, GDN options as given); "qwen3_5": a hybrid that exports
     exactly to Qwen3.5 (`export --format qwen3_5`, served by transformers / vLLM / SGLang / llama.cpp): GDN layers in

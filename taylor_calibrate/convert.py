@@ -34,9 +34,10 @@ def _count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def retrieval_probes(args, teacher: Teacher):
+def retrieval_probes(args, teacher: Teacher, fallback: bool = False):
     """(length, evaluation probes) for the retrieval report; with a context too short for them, the policies that
-    select by retrieval fail, the others report no retrieval (logged)."""
+    select by retrieval fail (`fallback`, for --policy auto: args.policy becomes "uniform", logged), the others report
+    no retrieval (logged)."""
     try:
         length = probe_length(args.data.seq_len, teacher.model.config)
         while True:  # a tokenizer with many tokens per word needs longer prompts: double up to the context
@@ -48,10 +49,24 @@ def retrieval_probes(args, teacher: Teacher):
                     raise
                 length = longer
     except ValueError as e:
+        if args.policy in RETRIEVAL and fallback:
+            log.warning("policy auto: the retrieval probes do not fit this teacher (%s); keeping layers uniformly", e)
+            args.policy = "uniform"
         if args.policy in RETRIEVAL:
             raise ValueError(f"policy {args.policy!r} scores heads on retrieval probes, which do not fit: {e}") from e
         log.warning("no retrieval report: %s", e)
         return None, []
+
+
+def resolve_policy(args) -> bool:
+    """--policy auto -> the policy that keeps the teacher's retrieval heads: "heads", or "retrieval" (whole layers)
+    for --target qwen3_5; resolved once, logged, written into args.policy. Returns whether it was auto
+    (`retrieval_probes` then falls back to "uniform" when the probes cannot be built for this teacher)."""
+    if args.policy != "auto":
+        return False
+    args.policy = "retrieval" if args.target == "qwen3_5" else "heads"
+    log.info("policy auto -> %s (target %s)", args.policy, args.target)
+    return True
 
 
 def run_convert(args: ConvertArgs) -> dict:
@@ -88,8 +103,9 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
 
     n = teacher.model.config.num_hidden_layers
     kv = teacher.model.config.num_key_value_heads
-    if args.policy not in SCORED + RETRIEVAL:
-        kept = kept_layers(args.policy, n, args.keep_every, kv_budget=args.kv_budget)
+    auto = resolve_policy(args)
+    if args.policy not in SCORED + RETRIEVAL:  # fails early on a bad layer list
+        kept_layers(args.policy, n, args.keep_every, kv_budget=args.kv_budget)
     times["load_teacher_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
@@ -100,13 +116,15 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     t = time.perf_counter()
     teacher_eval = perplexity(teacher.model, splits.heldout, args.eval_batch_size, desc="teacher ppl")
     check_finite_eval({"the teacher's": teacher_eval["ppl"]}, f"check the teacher {args.teacher}")
-    probe_len, probes = retrieval_probes(args, teacher)
+    probe_len, probes = retrieval_probes(args, teacher, fallback=auto)
     teacher_retrieval = answer_scores(teacher.model, probes) if probes else None
     times["teacher_eval_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
     scores, kept_groups = None, None
-    if args.policy == "bypass":
+    if args.policy not in SCORED + RETRIEVAL:  # after the probes: auto may have fallen back to uniform
+        kept = kept_layers(args.policy, n, args.keep_every, kv_budget=args.kv_budget)
+    elif args.policy == "bypass":
         scores = bypass_scores(teacher.model, splits.calib[:4], args.eval_batch_size)
         kept = kept_layers(args.policy, n, args.keep_every, scores, args.kv_budget)
     elif args.policy in RETRIEVAL:  # calibration needles in a calibration haystack: never the evaluation prompts
@@ -189,6 +207,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         "init": args.init,
         "align": args.align,
         "policy": args.policy,
+        "policy_auto": auto,
         "layer_types": list(hybrid.config.layer_types),
         "kept_layers": kept,
         "gdn_layers": converted,

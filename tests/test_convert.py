@@ -34,8 +34,10 @@ def test_convert_report(converted):
                 "commit", "dirty", "command", "args", "env"):  # the results recorder's provenance
         assert key in report
     assert report["args"]["data"]["calib_seqs"] == 2 and report["args"]["phase2"]["steps"] == 100  # profile-filled
-    assert report["kept_layers"] == [0, 4, 8, 12, 16, 20, 24, 28]
-    assert report["layer_types"].count("linear_attention") == 22
+    assert report["policy"] == "heads" and report["policy_auto"]  # the default: the teacher's retrieval heads
+    assert report["kv_fraction"] <= 0.25 and report["headwise_kept_groups"]
+    assert set(report["layer_types"]) <= {"full_attention", "linear_attention", "hybrid"}
+    assert report["retrieval"]["hybrid"]["acc"] is not None
     assert 1 < report["teacher_ppl"] < 100, "the real teacher should model Python source well"
     assert report["teacher_ppl"] < report["hybrid_ppl"] < float("inf")
 
@@ -141,3 +143,21 @@ def test_greedy_conversion_end_to_end(tmp_path):
     assert len(report["policy_scores"]) == n and len(report["kept_layers"]) == n // 2
     assert sorted(report["kept_layers"] + report["gdn_layers"]) == list(range(n))
     assert sorted(int(k) for k in report["phase2"]["layers"]) == report["gdn_layers"]
+
+
+@pytest.mark.parametrize("max_pos, target, want", [(1024, "hybrid", "heads"), (1024, "qwen3_5", "retrieval"),
+                                                   (64, "hybrid", "uniform")])
+def test_policy_auto_keeps_retrieval_heads_or_falls_back(tmp_path, max_pos, target, want, caplog):
+    """--policy auto (the default) resolves to the retrieval-keeping policy of the target, and to uniform (with a
+    warning) when the teacher's context cannot hold the retrieval probes."""
+    from conftest import tiny_local_teacher
+
+    teacher, corpus = tiny_local_teacher(tmp_path, max_position_embeddings=max_pos)
+    out = tmp_path / "hybrid"
+    assert main(["convert", "--teacher", str(teacher), "--out", str(out), "--target", target, "--device", "cpu",
+                 "--data.source", str(corpus), "--data.seq_len", "32", "--data.calib_seqs", "2",
+                 "--data.eval_seqs", "2", "--phase2.steps", "2", "--probe_samples", "1"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["policy"] == want and report["policy_auto"] and report["args"]["policy"] == want
+    assert report["kv_fraction"] <= 0.3
+    assert (want == "uniform") == any("retrieval probes do not fit" in r.message for r in caplog.records)
