@@ -18,6 +18,7 @@ _OUTPUT_MARKS = {
     "distill": [("metrics.jsonl", None), ("checkpoints", None), ("tokens", None), ("report.json", "heldout_kl")],
     "ablate": [("ablation.json", None)],
     "recovery": [("recovery.json", None), ("runs", None), ("mixers", None)],
+    "tradeoff": [("tradeoff.json", None)],
     "export": [],  # never written into a non-empty directory
 }
 

@@ -13,7 +13,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
 from taylor_calibrate.ablate import run_ablate
 from taylor_calibrate.config import (AblateArgs, ConvertArgs, DistillArgs, EvalArgs, ExportArgs, RecoveryArgs,
-                                     TokenizeArgs)
+                                     TokenizeArgs, TradeoffArgs)
 from taylor_calibrate.convert import run_convert
 from taylor_calibrate.data import run_tokenize
 from taylor_calibrate.distill import run_distill
@@ -21,6 +21,7 @@ from taylor_calibrate.evaluate import run_eval
 from taylor_calibrate.qwen3_5 import run_export
 from taylor_calibrate.recovery import run_recovery
 from taylor_calibrate.results import ReportArgs, run_report
+from taylor_calibrate.tradeoff import run_tradeoff
 
 COMMANDS = {
     "convert": (ConvertArgs, run_convert),
@@ -29,6 +30,7 @@ COMMANDS = {
     "tokenize": (TokenizeArgs, run_tokenize),
     "distill": (DistillArgs, run_distill),
     "recovery": (RecoveryArgs, run_recovery),
+    "tradeoff": (TradeoffArgs, run_tradeoff),
     "export": (ExportArgs, run_export),
     "report": (ReportArgs, run_report),
 }

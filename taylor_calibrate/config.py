@@ -628,6 +628,47 @@ class RecoveryArgs(PipelineArgs):
             raise ValueError(f"niah_points={self.niah_points} must be >= 2 (start and end)")
 
 
+@dataclass
+class TradeoffArgs(PipelineArgs):
+    """`taylor-calibrate tradeoff`: the retrieval / perplexity trade-off of conversions over KV budgets and policies."""
+
+    out: str = "out/tradeoff"
+    """Output directory (tradeoff.json, tradeoff.md, tradeoff.png, end-to-end phases' work directories)."""
+    budgets: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5])
+    """KV budgets (--kv_budget of each conversion)."""
+    policies: list[str] = field(default_factory=lambda: ["uniform", "bypass", "retrieval", "heads"])
+    """Policies at every budget (taylor init + alignment, the default conversion otherwise)."""
+    seeds: list[int] = field(default_factory=lambda: [0])
+    """Conversion seeds (--seed and --phase2.seed): seeds other than 0 repeat `seed_policy` at `seed_budget`."""
+    seed_policy: str = "heads"
+    seed_budget: float = 0.25
+    niah_tasks: list[str] = field(default_factory=lambda: list(NIAH_TASKS))
+    niah_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    niah_samples: int = 20
+    """NIAH prompts per task and length."""
+    niah_seed: int = 0
+    logprob_length: int = 4096
+    """Length of the teacher-forced answer probes (8 per task; capped by the teacher's context)."""
+    distill_tokens: int = 0
+    """After each zero-shot conversion, an end-to-end phase (`distill` of the whole hybrid toward the teacher) of this
+    many tokens, measured as its own row (0: none)."""
+    distill: list[str] = field(default_factory=lambda: [""])
+    """`distill` flags of the end-to-end phase, one string per variant (each a phase from the same zero-shot hybrid),
+    e.g. "--data.seq_len 4096 --data.source pysrc --data.heldout_fraction 0.5 --train.repeat_spans 0.5"."""
+    command: str | None = None
+    """The command line to record in the results."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        bad = [t for t in self.niah_tasks if t not in NIAH_TASKS]
+        if bad:
+            raise ValueError(f"niah_tasks {bad} unknown; choose from {list(NIAH_TASKS)}")
+        if not all(0 < b < 1 for b in [*self.budgets, self.seed_budget]):
+            raise ValueError(f"budgets {self.budgets} and seed_budget {self.seed_budget} must be fractions in (0, 1)")
+        if self.niah_samples < 1 or self.distill_tokens < 0 or not self.distill:
+            raise ValueError("niah_samples must be >= 1, distill_tokens >= 0 and distill a list of flag strings")
+
+
 EXPORT_FORMATS = ("qwen3_5", "gguf")
 
 

@@ -1,0 +1,178 @@
+"""`taylor-calibrate tradeoff`: the retrieval / perplexity trade-off of conversions (docs/method.md, "Retrieval").
+
+For each KV budget x policy, a conversion (taylor + alignment unless told otherwise) and its held-out perplexity,
+generation-based NIAH accuracy per task and length and teacher-forced answer log-probability, beside the teacher's;
+optionally an end-to-end phase (`distill` of the whole hybrid) after each, measured as its own row. Writes
+tradeoff.json after every row (a killed run keeps what it measured), then tradeoff.md and a PNG plot.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import shlex
+import time
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+
+import torch
+
+from taylor_calibrate.checks import check_out
+from taylor_calibrate.config import ConvertArgs, PipelineArgs, TradeoffArgs, apply_profile, apply_train_profile
+from taylor_calibrate.convert import convert_loaded
+from taylor_calibrate.data import distill_data, load_splits
+from taylor_calibrate.distill import distill
+from taylor_calibrate.evaluate import perplexity
+from taylor_calibrate.ops import training_backend
+from taylor_calibrate.results import record, write_text
+from taylor_calibrate.retrieval import answer_scores, eval_probes, niah_scores, probe_length
+from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+
+RESULT = "tradeoff.json"
+
+
+def _niah(model, tokenizer, args: TradeoffArgs) -> dict:
+    return niah_scores(model, tokenizer, tasks=args.niah_tasks, lengths=args.niah_lengths, samples=args.niah_samples,
+                       seed=args.niah_seed, batch_size=args.eval_batch_size)
+
+
+def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str, tag: str,
+               args: TradeoffArgs, device) -> tuple[dict, object]:
+    """The end-to-end phase after a conversion: `distill` of the whole hybrid toward the teacher for
+    args.distill_tokens tokens with distill options `flags`, then the held-out perplexity on the zero-shot row's text.
+    Returns (the row, with distill_tokens > 0; the distilled hybrid)."""
+    from taylor_calibrate.cli import parse
+
+    _, d = parse(["distill", "--profile", convert_args.profile, *shlex.split(flags)])
+    apply_profile(d, device.type)
+    apply_train_profile(d.train, d.profile)
+    d.train.tokens = args.distill_tokens
+    out = Path(args.out)
+    work = out / f"e2e_{row['policy']}_{row['kv_budget']}_{row['seed']}_{tag}"
+    corpus = json.dumps([d.data.source, d.data.text_field, d.data.split, d.data.heldout_fraction])
+    shards = out / f"tokens_{hashlib.sha1(corpus.encode()).hexdigest()[:8]}"  # one per corpus
+    rows, heldout = distill_data(d.data, teacher.tokenizer, shards, d.train.tokens)
+    dtype = next(hybrid.parameters()).dtype
+    student = hybrid.float()  # fp32 master weights, as distill wants
+    student.set_backend(training_backend(student.set_backend(d.backend), d.backend, True))
+    rep = distill(student, teacher.model, rows, heldout, d.train, work, resume=False,
+                  eval_batch_size=convert_args.eval_batch_size, desc=f"{row['policy']} end-to-end",
+                  teacher_spec=convert_args.teacher)
+    hybrid = student.to(dtype).eval()
+    hybrid.set_backend(convert_args.backend)
+    c = convert_args.data  # the zero-shot rows' held-out text, for a comparable perplexity
+    splits = load_splits(c, teacher.tokenizer, c.seq_len, c.calib_seqs, c.eval_seqs)
+    e2e = {**row, "distill_tokens": rep["tokens"], "distill_seq_len": rep["seq_len"],
+           "distill_flags": flags, "distill_args": {"train": asdict(d.train), "data": asdict(d.data)},
+           "distill": {k: rep[k] for k in ("eval_tokens", "heldout_loss", "heldout_kl", "tokens_per_s", "mfu")},
+           "ppl": perplexity(hybrid, splits.heldout, convert_args.eval_batch_size, "e2e ppl")["ppl"]}
+    return e2e, hybrid
+
+
+def label(r: dict) -> str:
+    """A row's name: its policy, its seed when not 0, and for an end-to-end row the phase's repeated-span fraction."""
+    name = r["policy"] + (f" (seed {r['seed']})" if r.get("seed") else "")
+    if not r["distill_tokens"]:
+        return name
+    return f"{name} + end-to-end (repeat_spans {r['distill_args']['train']['repeat_spans']})"
+
+
+def markdown(result: dict) -> str:
+    lengths = [str(n) for n in result["niah_lengths"]]
+    tasks = result["niah_tasks"]
+    head = "| policy | granularity | KV | distill tokens | PPL (x teacher) | answer log-prob | " + " | ".join(
+        f"{t} {n}" for t in tasks for n in lengths) + " |"
+    lines = [head, "|" + "---|" * (6 + len(tasks) * len(lengths))]
+
+    def row(name, gran, kv, tokens, ppl, ratio, lp, niah):
+        cells = [f"{niah[t][n]:.2f}" if niah[t][n] is not None else "-" for t in tasks for n in lengths]
+        lines.append(f"| {name} | {gran} | {kv} | {tokens:,} | {ppl:.3f} ({ratio:.2f}x) | {lp:.2f} | "
+                     + " | ".join(cells) + " |")
+
+    t = result["teacher"]
+    row("teacher", "-", "100%", 0, t["ppl"], 1.0, t["answer_logprob"], t["niah"])
+    for r in result["rows"]:
+        row(label(r), r["granularity"], f"{r['kv_fraction']:.1%}", r["distill_tokens"], r["ppl"],
+            r["ppl"] / t["ppl"], r["answer_logprob"], r["niah"])
+    return "\n".join(lines) + f"\n\nAnswer log-probability: teacher-forced, at {result['logprob_length']} tokens.\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    t = result["teacher"]
+
+    def mean_niah(niah):
+        vals = [v for cells in niah.values() for v in cells.values() if v is not None]
+        return sum(vals) / len(vals)
+
+    for name in dict.fromkeys(label(r) for r in result["rows"]):
+        rows = sorted((r for r in result["rows"] if label(r) == name), key=lambda r: r["kv_fraction"])
+        kv = [r["kv_fraction"] for r in rows]
+        ax1.plot(kv, [r["ppl"] / t["ppl"] for r in rows], "o-", label=name)
+        ax2.plot(kv, [mean_niah(r["niah"]) for r in rows], "o-", label=name)
+    ax2.axhline(mean_niah(t["niah"]), color="k", ls="--", label="teacher")
+    ax1.set(xlabel="KV cache kept (fraction of the teacher's)", ylabel="held-out PPL / teacher's", yscale="log")
+    ax2.set(xlabel="KV cache kept (fraction of the teacher's)", ylabel="NIAH accuracy (mean over cells)", ylim=(0, 1.05))
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"{result['teacher_name']}: conversions (zero-shot, and after an end-to-end phase)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_tradeoff(args: TradeoffArgs) -> dict:
+    """Perplexity and retrieval (NIAH, teacher-forced answers) of conversions over KV budgets x policies, beside the
+    teacher's; optionally after an end-to-end phase. JSON + markdown table + plot."""
+    t0 = time.perf_counter()
+    check_out(args.out, "tradeoff", overwrite=args.overwrite, inputs={"--teacher": args.teacher})
+    out = Path(args.out)
+    device = resolve_device(args.device)
+    teacher = load_teacher(args.teacher, device, resolve_dtype(args.dtype, device))
+    tok = teacher.tokenizer
+    base = ConvertArgs(**{f.name: getattr(args, f.name) for f in fields(PipelineArgs)}, out=str(out / "unused"))
+    apply_profile(base, device.type)
+    length = probe_length(args.logprob_length, teacher.model.config)
+    long_probes = eval_probes(tok, length, samples=8, tasks=args.niah_tasks)
+    result = {"teacher_name": args.teacher, "niah_tasks": args.niah_tasks, "niah_lengths": args.niah_lengths,
+              "logprob_length": length,
+              "teacher": {"niah": _niah(teacher.model, tok, args),
+                          "answer_logprob": answer_scores(teacher.model, long_probes)["logprob"]},
+              "rows": []}
+    runs = [(p, b, 0) for b in args.budgets for p in args.policies]
+    runs += [(args.seed_policy, args.seed_budget, s) for s in args.seeds if s != 0]
+    for policy, budget, seed in runs:
+        conv = replace(base, policy=policy, kv_budget=budget, seed=seed, phase2=replace(base.phase2, seed=seed),
+                       data=copy.copy(base.data))
+        t = time.perf_counter()
+        report, hybrid = convert_loaded(conv, teacher, save=False, return_model=True)
+        result["teacher"]["ppl"] = report["teacher_ppl"]
+        row = {"policy": policy, "granularity": "head" if policy == "heads" else "layer", "kv_budget": budget,
+               "kv_fraction": report["kv_fraction"], "ppl": report["hybrid_ppl"], "distill_tokens": 0, "seed": seed,
+               "kept_layers": report["kept_layers"], "headwise_kept_groups": report["headwise_kept_groups"],
+               "answer_logprob": answer_scores(hybrid, long_probes)["logprob"],
+               "probe_retrieval": report["retrieval"]["hybrid"] if report["retrieval"] else None,
+               "niah": _niah(hybrid, tok, args), "convert_s": report["wall_s"]}
+        row["row_s"] = time.perf_counter() - t
+        result["rows"].append(row)
+        result = record(out / RESULT, result, args)
+        for k, flags in enumerate(args.distill if args.distill_tokens else []):
+            t = time.perf_counter()
+            e2e, tuned = end_to_end(copy.deepcopy(hybrid), teacher, row, conv, flags, str(k), args, device)
+            e2e.update(answer_logprob=answer_scores(tuned, long_probes)["logprob"], probe_retrieval=None,
+                       niah=_niah(tuned, tok, args), row_s=time.perf_counter() - t)
+            result["rows"].append(e2e)
+            result = record(out / RESULT, result, args)
+            del tuned
+        del hybrid
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(markdown(result), flush=True)
+    result["wall_s"] = time.perf_counter() - t0
+    result = record(out / RESULT, result, args)
+    write_text(out / "tradeoff.md", markdown(result))
+    plot(result, out / "tradeoff.png")
+    print(markdown(result))
+    return result

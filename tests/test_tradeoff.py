@@ -1,0 +1,53 @@
+"""`taylor-calibrate tradeoff` end to end on a tiny local Llama teacher (CPU): a layer and a head-wise row per budget,
+NIAH and the teacher-forced score beside the teacher's, end-to-end phases, the results JSON with its provenance,
+table, plot."""
+import json
+
+import pytest
+from conftest import tiny_local_teacher
+
+from taylor_calibrate.cli import main
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _convert_flags(corpus):
+    return ["--data.source", str(corpus), "--data.seq_len", "64", "--data.calib_seqs", "4", "--data.eval_seqs", "2",
+            "--phase2.steps", "2", "--probe_samples", "1", "--device", "cpu"]
+
+
+def test_tiny_run(tmp_path):
+    teacher, corpus = tiny_local_teacher(tmp_path, max_position_embeddings=1024)
+    out = tmp_path / "tradeoff"
+    assert main(["tradeoff", "--teacher", str(teacher), "--budgets", "[0.3]", "--policies", "[uniform,heads]",
+                 "--niah_tasks", "[passkey]", "--niah_lengths", "[512]", "--niah_samples", "1",
+                 "--logprob_length", "512", "--out", str(out), *_convert_flags(corpus)]) == 0
+    res = json.loads((out / "tradeoff.json").read_text())
+    assert [r["policy"] for r in res["rows"]] == ["uniform", "heads"]
+    assert all(r["kv_fraction"] <= 0.3 and r["niah"]["passkey"]["512"] is not None for r in res["rows"])
+    assert res["rows"][1]["granularity"] == "head" and res["teacher"]["niah"]["passkey"]["512"] is not None
+    assert {"commit", "dirty", "args", "env", "command"} <= set(res)
+    assert (out / "tradeoff.md").exists() and (out / "tradeoff.png").exists()
+    # a rerun into the same --out is allowed (an earlier tradeoff output); a foreign non-empty dir is not
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "x.txt").write_text("mine")
+    assert main(["tradeoff", "--teacher", str(teacher), "--out", str(foreign), *_convert_flags(corpus)]) == 2
+
+
+def test_end_to_end_phase_adds_a_distilled_row(tmp_path):
+    teacher, corpus = tiny_local_teacher(tmp_path, max_position_embeddings=1024)
+    out = tmp_path / "tradeoff"
+    phase = f"--data.source {corpus} --data.seq_len 128 --data.eval_seqs 2 --train.batch_size 4 --train.lr 1e-3"
+    assert main(["tradeoff", "--teacher", str(teacher), "--budgets", "[0.3]", "--policies", "[heads]",
+                 "--niah_tasks", "[passkey]", "--niah_lengths", "[512]", "--niah_samples", "1",
+                 "--logprob_length", "512", "--out", str(out), *_convert_flags(corpus),
+                 "--distill_tokens", "2048", "--distill", json.dumps([phase + " --train.repeat_spans 0.5", phase])]) == 0
+    res = json.loads((out / "tradeoff.json").read_text())
+    zero, e2e, plain = res["rows"]
+    assert zero["distill_tokens"] == 0 and e2e["distill_tokens"] == 2048 and e2e["distill_seq_len"] == 128
+    assert e2e["kv_fraction"] == zero["kv_fraction"] and e2e["distill_args"]["train"]["repeat_spans"] == 0.5
+    assert e2e["ppl"] != zero["ppl"] and len(e2e["distill"]["heldout_loss"]) >= 2  # trained, measured on the same text
+    assert plain["distill_args"]["train"]["repeat_spans"] == 0 and plain["ppl"] != e2e["ppl"]  # each from zero-shot
+    assert e2e["niah"]["passkey"]["512"] is not None
+    assert "| heads + end-to-end (repeat_spans 0.5) | head |" in (out / "tradeoff.md").read_text()
