@@ -601,6 +601,9 @@ class RecoveryArgs(PipelineArgs):
     out: str = "out/recovery"
     """Output directory (recovery.json, recovery.md, curves PNG, one resumable run directory per policy x init)."""
     policies: list[str] = field(default_factory=lambda: ["uniform", "bypass", "greedy"])
+    """Layer policies ("uniform", "bypass", "greedy", "layers=0,4,8") and the retrieval-scored ones whose students
+    `convert` builds: "heads" (head-wise), "retrieval", "auto" (as convert's --policy auto); --kv_budget sets their
+    share of the KV cache."""
     inits: list[str] = field(default_factory=lambda: ["copy", "align", "taylor+align"])
     """Baseline first: "copy" (copy-only), "align" (phase-2-only), "taylor+align" (ours), "paper+align" ..."""
     extra: list[str] = field(default_factory=lambda: ["uniform:paper+align"])

@@ -1,19 +1,23 @@
 """The `recovery` experiment: does a calibrated start recover with fewer distillation tokens (docs/method.md,
 "Recovery distillation")?
 
-For each layer policy and init (baseline `copy`, phase-2-only `align`, ours `taylor+align`, optionally the reference
+For each policy and init (baseline `copy`, phase-2-only `align`, ours `taylor+align`, optionally the reference
 `paper+align`), the same teacher, data, budget and schedule distil the hybrid; held-out loss is measured at fixed
-token counts. Tokens to matched recovery = N / N': N = the budget, whose final held-out loss the baseline reaches;
+token counts. Layer policies (uniform, bypass, greedy, layers=...) share one teacher pass (`ablate.build_all`); the
+retrieval-scored ones (`heads`, `retrieval`, and `auto`, resolved as convert resolves it) are built by `convert`
+itself, one student per init, all keeping the teacher's same retrieval heads. Tokens to matched recovery = N / N': N = the budget, whose final held-out loss the baseline reaches;
 N' = the fewest tokens (linearly interpolated between evaluations) at which the candidate reaches that loss.
 
 All runs read the same token shards (<out>/tokens, or --data.source when it is a shard directory) in the same order.
-NIAH retrieval is scored `niah_points` times along each run. Everything is resumable: built mixers are cached
-(safetensors), each run has its own directory with distill's atomic checkpoints and its NIAH records, and finished
+NIAH retrieval is scored `niah_points` times along each run. Everything is resumable: built mixers and students are
+cached (safetensors), each run has its own directory with distill's atomic checkpoints and its NIAH records, and finished
 runs are kept, so a killed experiment continues where it stopped; `--time_limit_s` stops it cleanly, so a long
 experiment runs as a series of time-limited jobs of one command.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import logging
 import math
@@ -26,19 +30,23 @@ from safetensors.torch import load_file, save_file
 
 from taylor_calibrate.ablate import TeacherPass, build_all, check_policies, parse_init
 from taylor_calibrate.checks import check_out
-from taylor_calibrate.config import RecoveryArgs, apply_profile, apply_train_profile
-from taylor_calibrate.data import TokenSplits, distill_data
+from taylor_calibrate.config import ConvertArgs, PipelineArgs, RecoveryArgs, apply_profile, apply_train_profile
+from taylor_calibrate.convert import convert_loaded
+from taylor_calibrate.data import TOKENS_META, TokenSplits, distill_data, is_token_dir
 from taylor_calibrate.distill import distill
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
 from taylor_calibrate.ops import resolve_backend, training_backend
-from taylor_calibrate.policy import gdn_layers
+from taylor_calibrate.policy import RETRIEVAL, gdn_layers
 from taylor_calibrate.retrieval import niah_scores
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 from taylor_calibrate.training import autocast
 
 log = logging.getLogger("taylor_calibrate")
+
+CONVERTED = ("auto", *RETRIEVAL)
+"""Policies whose students `convert` builds (the retrieval-scored ones; "auto" resolves as convert resolves it)."""
 
 
 def tokens_to_reach(tokens: list[float], losses: list[float], target: float) -> float | None:
@@ -70,17 +78,26 @@ def parse_runs(args: RecoveryArgs) -> list[tuple[str, str]]:
             raise ValueError(f"bad extra run {item!r}: use <policy>:<init>, e.g. uniform:paper+align")
         if (policy, init) not in runs:
             runs.append((policy, init))
-    check_policies([p for p, _ in runs])
+    check_policies([p for p, _ in runs if p not in CONVERTED])
     for _, init in runs:
         parse_init(init)
     return runs
 
 
-def _cached_mixers(model, args, path: Path):
-    """Mixers saved in `path` (the layers it holds): copy-only modules, then the saved state."""
+def _save_mixers(mixers: dict, path: Path) -> None:
+    """Mixers' state as one safetensors file ("<layer>.<name>" keys), written atomically."""
+    tmp = path.with_suffix(".tmp")
+    save_file({f"{i}.{n}": t.detach().contiguous() for i, m in mixers.items() for n, t in m.state_dict().items()},
+              str(tmp))
+    tmp.replace(path)
+
+
+def _cached_mixers(model, args, path: Path, kept_groups: dict[int, list[int]] | None = None):
+    """Mixers saved in `path` (the layers it holds): copy-only modules (head-wise ones for `kept_groups`), then the
+    saved state."""
     state = load_file(str(path), device=str(next(model.parameters()).device))
     layers = sorted({int(k.split(".", 1)[0]) for k in state})
-    mixers = make_mixers(model, layers, args.gdn, args.seed)
+    mixers = make_mixers(model, layers, args.gdn, args.seed, kept_groups)
     for i, m in mixers.items():
         m.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == str(i)})
     return mixers
@@ -102,12 +119,68 @@ def build_or_load(model, splits, specs, policies, args, backend, device, cache: 
     built, reports, kept, scores = build_all(tp, specs, args, backend, policies, splits.calib)
     cache.mkdir(parents=True, exist_ok=True)
     for k, f in files.items():
-        tmp = f.with_suffix(".tmp")
-        save_file({f"{i}.{n}": t.detach().contiguous() for i, m in built[k].items() for n, t in m.state_dict().items()},
-                  str(tmp))
-        tmp.replace(f)
+        _save_mixers(built[k], f)
     write_json(layers_file, {"kept": kept, "scores": scores})
     return built, reports, kept, scores
+
+
+STUDENT_KEYS = ("policy", "policy_auto", "kept_layers", "gdn_layers", "headwise_kept_groups", "kv_fraction",
+                "policy_scores", "teacher_ppl", "hybrid_ppl", "retrieval")
+"""What a student's cache records of its convert report (recovery.json's `students`)."""
+
+
+def convert_args(args: RecoveryArgs, policy: str, init: str) -> ConvertArgs:
+    """The `convert` options of one run: recovery's shared ones with the run's policy and init (`parse_init`: copy =
+    init copy without phase 2; align = copy + phase 2). From token shards, convert reads the corpus they were
+    written from (tokens.json)."""
+    method, aligned = parse_init(init)
+    shared = ConvertArgs(**{f.name: copy.deepcopy(getattr(args, f.name)) for f in dataclasses.fields(PipelineArgs)})
+    if is_token_dir(args.data.source):
+        meta = json.loads((Path(args.data.source).expanduser() / TOKENS_META).read_text())
+        shared.data = dataclasses.replace(shared.data, **{k: meta[k] for k in ("source", "text_field", "split",
+                                                                               "heldout_fraction")})
+    return dataclasses.replace(shared, policy=policy, init=method, align=aligned)
+
+
+def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryArgs, cache: Path) -> dict:
+    """{policy: {init: what convert kept}} for the runs of CONVERTED policies: each student built once by
+    `convert_loaded` and cached (its GDN mixers as safetensors, then its report's STUDENT_KEYS as JSON, written
+    last), so a restarted experiment loads it instead of converting again. All inits of one policy must keep the
+    same heads (they are scored on the teacher): checked."""
+    students: dict[str, dict] = {}
+    for policy, init in runs:
+        if policy not in CONVERTED:
+            continue
+        weights, meta = cache / f"{policy}__{init}.safetensors", cache / f"{policy}__{init}.json"
+        if meta.exists() and weights.exists():
+            log.info("recovery: student %s / %s from %s", policy, init, weights)
+            info = json.loads(meta.read_text())
+        else:
+            print(f"\nrecovery: converting the {policy} / {init} student")
+            report, hybrid = convert_loaded(convert_args(args, policy, init), teacher, save=False, return_model=True)
+            cache.mkdir(parents=True, exist_ok=True)
+            _save_mixers(hybrid.gdn_mixers, weights)
+            info = {k: report[k] for k in STUDENT_KEYS}
+            write_json(meta, info)
+            del hybrid
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        students.setdefault(policy, {})[init] = info
+        first_init, first = next(iter(students[policy].items()))
+        same = ("policy", "gdn_layers", "headwise_kept_groups")
+        if any(info[k] != first[k] for k in same):
+            raise RuntimeError(f"policy {policy}: the {init} student keeps other attention heads than the {first_init} "
+                               f"one ({ {k: info[k] for k in same} } vs { {k: first[k] for k in same} }); they are "
+                               f"scored on the teacher and must agree: delete {cache} and run again")
+    return students
+
+
+def load_student(model, args: RecoveryArgs, info: dict, path: Path):
+    """A cached student (build_or_load_students): the teacher with its saved GDN mixers, head-wise as convert built it."""
+    groups = {int(i): g for i, g in info["headwise_kept_groups"].items()}
+    mixers = _cached_mixers(model, args, path, groups)
+    return convert_teacher(model, info["gdn_layers"], args.gdn, teacher_name=args.teacher, mixers=mixers,
+                           kept_groups=groups)
 
 
 def _niah(model, tokenizer, args, device, desc):
@@ -153,7 +226,9 @@ def plot_curves(result: dict, path: Path) -> None:
             if isinstance(run, dict) and "tokens" in run:
                 ax.plot([t / 1e6 for t in run["tokens"]], run["heldout_loss"], marker="o", ms=3, label=init)
         ax.axhline(result["teacher_loss"], color="k", ls="--", lw=1, label="teacher")
-        ax.set_title(f"{policy} ({result['kept'][policy].__len__()} attention layers kept)")
+        kv = (result.get("kv_fraction") or {}).get(policy)
+        ax.set_title(f"{policy} ({len(result['kept'][policy])} attention layers kept)" if kv is None
+                     else f"{policy} ({kv:.0%} of the KV cache kept)")
         ax.set_xlabel("distillation tokens (M)")
         ax.set_ylabel("held-out loss (nats/token)")
         ax.set_yscale("log")
@@ -164,8 +239,11 @@ def plot_curves(result: dict, path: Path) -> None:
 
 
 def markdown(result: dict) -> str:
+    kv = result.get("kv_fraction")
+    kept = (", ".join(f"{p} {f:.1%}" for p, f in kv.items()) + " of the KV cache kept" if kv
+            else f"{result['kept_fraction']:.0%} of layers kept")
     lines = [f"Teacher `{result['teacher']}`: held-out loss {result['teacher_loss']:.4f}; budget "
-             f"{result['budget_tokens']:,} tokens per run; {result['kept_fraction']:.0%} of layers kept.", "",
+             f"{result['budget_tokens']:,} tokens per run; {kept}.", "",
              "| policy | init | loss at 0 | final loss | tokens to match (copy / this) |", "|---|---|---|---|---|"]
     for policy, runs in result["policies"].items():
         for init, run in runs.items():
@@ -229,10 +307,21 @@ def run_recovery(args: RecoveryArgs) -> dict:
     d = args.data
     train_rows, heldout = distill_data(d, tokenizer, out / "tokens", args.train.tokens)
     splits = TokenSplits(calib=train_rows.first(d.calib_seqs), heldout=heldout)  # calibration: the first windows
-    specs = list(dict.fromkeys(parse_init(i) for _, i in runs))
     policies = list(dict.fromkeys(p for p, _ in runs))
-    built, align_reports, kept, scores = build_or_load(model, splits, specs, policies, args, backend, device,
-                                                       out / "mixers")
+    layer_runs = [(p, i) for p, i in runs if p not in CONVERTED]
+    built, align_reports, kept, scores = {}, {}, {}, {}
+    if layer_runs:
+        specs = list(dict.fromkeys(parse_init(i) for _, i in layer_runs))
+        built, align_reports, kept, scores = build_or_load(model, splits, specs,
+                                                           list(dict.fromkeys(p for p, _ in layer_runs)), args,
+                                                           backend, device, out / "mixers")
+    students = build_or_load_students(teacher, runs, args, out / "students")
+    kv_fraction = {p: len(k) / n for p, k in kept.items()}
+    kept_groups = {}
+    for policy, by_init in students.items():
+        info = next(iter(by_init.values()))
+        kept[policy], scores[policy] = info["kept_layers"], info["policy_scores"]
+        kv_fraction[policy], kept_groups[policy] = info["kv_fraction"], info["headwise_kept_groups"]
 
     teacher_loss = perplexity(model, splits.heldout, args.eval_batch_size, "teacher loss")["nll"]
     teacher_niah_file = out / "teacher_niah.json"
@@ -256,7 +345,10 @@ def run_recovery(args: RecoveryArgs) -> dict:
         mfus = [m for _, m in speeds if m]
         result = {
             "teacher": args.teacher, "teacher_loss": teacher_loss, "budget_tokens": args.train.tokens,
-            "kept_fraction": len(kept[policies[0]]) / n, "kept": kept, "policy_scores": scores, "policies": results,
+            "kept_fraction": kv_fraction[policies[0]], "kv_fraction": kv_fraction, "kept": kept,
+            "kept_groups": kept_groups, "policy_scores": scores, "policies": results,
+            "students": {p: {i: {k: v for k, v in info.items() if k != "policy_scores"} for i, info in by_init.items()}
+                         for p, by_init in students.items()},
             "teacher_niah": teacher_niah, "niah_lengths": args.niah_lengths, "niah_tasks": args.niah_tasks,
             "tokens_dir": str(train_rows.root), "train_windows": len(train_rows), "complete": complete,
             "throughput_tokens_per_s": sum(tps) / len(tps) if tps else None,
@@ -281,9 +373,14 @@ def run_recovery(args: RecoveryArgs) -> dict:
             complete = False
             break
         worked = True
-        converted = gdn_layers(kept[policy], n)
-        hybrid = convert_teacher(model, converted, args.gdn, teacher_name=args.teacher,
-                                 mixers=built[parse_init(init)]).float()
+        if policy in students:
+            converted = students[policy][init]["gdn_layers"]
+            hybrid = load_student(model, args, students[policy][init],
+                                  out / "students" / f"{policy}__{init}.safetensors").float()
+        else:
+            converted = gdn_layers(kept[policy], n)
+            hybrid = convert_teacher(model, converted, args.gdn, teacher_name=args.teacher,
+                                     mixers=built[parse_init(init)]).float()
         hybrid.set_backend(train_backend)
         run_dir.mkdir(parents=True, exist_ok=True)
         niah_file = run_dir / "niah.jsonl"
@@ -298,7 +395,8 @@ def run_recovery(args: RecoveryArgs) -> dict:
             with niah_file.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
 
-        print(f"\nrecovery: {policy} / {init}: {len(converted)} GDN layers, {args.train.tokens:,} tokens")
+        print(f"\nrecovery: {policy} / {init}: {len(converted)} GDN layers ({kv_fraction[policy]:.1%} of the KV cache "
+              f"kept), {args.train.tokens:,} tokens")
         rep = distill(hybrid, model, train_rows, splits.heldout, args.train, run_dir,
                       eval_batch_size=args.eval_batch_size, desc=f"{policy}/{init}", on_step=score_niah,
                       teacher_spec=args.teacher,

@@ -105,3 +105,89 @@ def test_time_limit_stops_cleanly_and_the_same_command_continues(recovered, tmp_
     assert done["complete"] is True
     want = result["policies"]["uniform"]["copy"]
     assert done["policies"]["uniform"]["copy"]["heldout_loss"] == pytest.approx(want["heldout_loss"], rel=1e-5)
+
+
+# --- retrieval-scored policies: students built by convert, cached ---------------------------------------------------
+@pytest.fixture(scope="module")
+def recovered_heads(tmp_path_factory):
+    """recovery --policies '[heads]' with two inits: each student built by convert_loaded (head-wise)."""
+    root = tmp_path_factory.mktemp("recovery_heads")
+    teacher_dir, corpus = tiny_local_teacher(root, max_position_embeddings=1024)
+    args = RecoveryArgs(
+        teacher=str(teacher_dir), out=str(root / "out"), kv_budget=0.25, probe_samples=1, profile="quick",
+        device="cpu", backend="torch", policies=["heads"], inits=["copy", "taylor+align"], extra=[],
+        data=DataArgs(source=str(corpus), seq_len=32, calib_seqs=4, eval_seqs=2), eval_batch_size=2,
+        phase2=AlignArgs(steps=3, batch_size=2), train=TrainArgs(tokens=4 * 2 * 32, batch_size=2, lr=1e-2, eval_every=2),
+        niah_tasks=["single"], niah_lengths=[512], niah_samples=1, niah_points=2,
+        command="pytest tests/test_recovery.py",
+    )
+    with one_thread():
+        return args, run_recovery(args), root / "out"
+
+
+def _no_conversion(*a, **k):
+    raise AssertionError("convert_loaded called: the cached student should have been read")
+
+
+def test_heads_policy_runs_on_converted_students(recovered_heads):
+    args, result, out = recovered_heads
+    runs = result["policies"]["heads"]
+    assert result["complete"] is True and set(runs) >= {"copy", "taylor+align", "tokens_to_match"}
+    for init in ("copy", "taylor+align"):
+        assert runs[init]["tokens"] == [0, 128, 256] and all(math.isfinite(x) for x in runs[init]["heldout_loss"])
+        assert [c["tokens"] for c in runs[init]["niah_curve"]] == [0, 256]
+    students = result["students"]["heads"]
+    assert students["copy"]["headwise_kept_groups"] == students["taylor+align"]["headwise_kept_groups"]
+    assert students["copy"]["gdn_layers"] == runs["copy"]["gdn_layers"] == runs["taylor+align"]["gdn_layers"]
+    groups = result["kept_groups"]["heads"]
+    assert groups == students["copy"]["headwise_kept_groups"] and groups  # head-wise layers at 25% KV of 4 x 2 groups
+    assert 0 < result["kv_fraction"]["heads"] <= args.kv_budget and result["kept_fraction"] <= args.kv_budget
+    for init in ("copy", "taylor+align"):  # the run starts from convert's hybrid: same held-out rows, same loss
+        assert runs[init]["heldout_loss"][0] == pytest.approx(math.log(students[init]["hybrid_ppl"]), rel=1e-4)
+    assert "heads 25.0% of the KV cache kept" in (out / "recovery.md").read_text()
+
+
+def test_heads_rerun_reads_the_cached_students(recovered_heads, monkeypatch):
+    """A second invocation converts nothing: a finished experiment only re-summarises, and a run to redo starts
+    from its cached student (the same curve as the first time)."""
+    import shutil
+
+    from taylor_calibrate import recovery
+
+    args, result, out = recovered_heads
+    monkeypatch.setattr(recovery, "convert_loaded", _no_conversion)
+    shutil.rmtree(out / "runs" / "heads__taylor+align")
+    with one_thread():
+        again = run_recovery(args)
+    assert again["complete"] is True and again["kept_groups"] == result["kept_groups"]
+    want = result["policies"]["heads"]["taylor+align"]["heldout_loss"]
+    assert again["policies"]["heads"]["taylor+align"]["heldout_loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_heads_time_limit_resumes_without_converting_again(recovered_heads, tmp_path, monkeypatch):
+    import dataclasses
+
+    from taylor_calibrate import recovery
+
+    args, result, out = recovered_heads
+    part = dataclasses.replace(args, out=str(tmp_path / "part"), inits=["taylor+align"], niah=False,
+                               time_limit_s=0.0)
+    with one_thread():
+        stopped = run_recovery(part)
+    assert stopped["complete"] is False and stopped["policies"]["heads"] == {}
+    assert stopped["kept_groups"] == result["kept_groups"]
+    monkeypatch.setattr(recovery, "convert_loaded", _no_conversion)
+    with one_thread():
+        done = run_recovery(dataclasses.replace(part, time_limit_s=None))
+    assert done["complete"] is True
+    want = result["policies"]["heads"]["taylor+align"]["heldout_loss"]
+    assert done["policies"]["heads"]["taylor+align"]["heldout_loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_retrieval_policies_are_accepted_and_others_fail_early():
+    from taylor_calibrate.recovery import parse_runs
+
+    args = RecoveryArgs(policies=["auto", "heads", "retrieval", "uniform"], inits=["copy", "align"], extra=[])
+    assert len(parse_runs(args)) == 8
+    with pytest.raises(ValueError, match="unknown layer policy"):
+        parse_runs(RecoveryArgs(policies=["head"], extra=[]))
