@@ -16,6 +16,7 @@ experiment runs as a series of time-limited jobs of one command.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -183,10 +184,17 @@ def load_student(model, args: RecoveryArgs, info: dict, path: Path):
                            kept_groups=groups)
 
 
+def _eager():
+    """Layers that distill compiled (`--train.compile`, on CUDA) run eagerly: generation's ever-new shapes would
+    recompile them (minutes) and spend dynamo's recompile limit, past which training's own graphs run eager."""
+    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return stance("force_eager") if stance else contextlib.nullcontext()
+
+
 def _niah(model, tokenizer, args, device, desc):
     if not args.niah:
         return None
-    with autocast(device):
+    with _eager(), autocast(device):
         return niah_scores(model, tokenizer, tasks=args.niah_tasks, lengths=args.niah_lengths,
                            samples=args.niah_samples, batch_size=args.niah_samples, max_new_tokens=12, desc=desc)
 

@@ -3,6 +3,7 @@ import json
 import math
 
 import pytest
+import torch
 from conftest import one_thread, tiny_local_teacher
 
 from taylor_calibrate.config import AlignArgs, DataArgs, RecoveryArgs, TrainArgs
@@ -191,3 +192,27 @@ def test_retrieval_policies_are_accepted_and_others_fail_early():
     assert len(parse_runs(args)) == 8
     with pytest.raises(ValueError, match="unknown layer policy"):
         parse_runs(RecoveryArgs(policies=["head"], extra=[]))
+
+
+def test_niah_runs_compiled_layers_eagerly(tmp_path, single_thread):
+    """NIAH along a run scores the model distill compiled: it must not compile graphs for generation's shapes."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from taylor_calibrate.config import GDNConfig
+    from taylor_calibrate.distill import compile_layers, uncompile_layers
+    from taylor_calibrate.model.hybrid import convert_teacher
+    from taylor_calibrate.recovery import _niah
+
+    teacher_dir, _ = tiny_local_teacher(tmp_path, max_position_embeddings=1024)
+    tok, teacher = AutoTokenizer.from_pretrained(teacher_dir), AutoModelForCausalLM.from_pretrained(teacher_dir)
+    hybrid = convert_teacher(teacher, [0, 2], GDNConfig())
+    hybrid.set_backend("torch")
+    args = RecoveryArgs(niah_tasks=["single"], niah_lengths=[512], niah_samples=1)
+    compile_layers(hybrid)
+    counters.clear()
+    try:
+        scores = _niah(hybrid, tok, args, torch.device("cpu"), "niah")
+    finally:
+        uncompile_layers(hybrid)
+    assert set(scores["single"]) == {"512"} and counters["stats"]["unique_graphs"] == 0
