@@ -4,7 +4,7 @@ calibration"; docs/decisions.md).
 One teacher pass gives statistics, inputs and targets for *every* layer; each init then builds (and, for the
 "+align" rows, aligns) a mixer for every layer once. Teacher forcing makes layers independent, so the mixers of any
 policy's converted layers are those same mixers: a policy's hybrid is the teacher with them swapped in. Policies are
-chosen once (bypass from the teacher, greedy from the taylor phase-1 mixers) and shared by all inits.
+chosen once (bypass from the teacher, greedy and kl from the taylor phase-1 mixers) and shared by all inits.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.results import record
 from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.ops import resolve_backend, training_backend
-from taylor_calibrate.policy import bypass_scores, gdn_layers, greedy_scores, kept_layers
+from taylor_calibrate.policy import RETRIEVAL, bypass_scores, gdn_layers, greedy_scores, kept_layers, kl_scores
 from taylor_calibrate.stats import TeacherStats, attention_targets, collect_stats
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
@@ -97,7 +97,7 @@ def build_all(tp: TeacherPass, specs: list[tuple[str, bool]], args, backend: str
 
 
 def choose_layers(model, policies: list[str], built: dict, calib: torch.Tensor, args):
-    """Kept attention layers of each policy (bypass scored on the teacher, greedy on taylor phase-1 mixers)."""
+    """Kept attention layers of each policy (bypass scored on the teacher, greedy and kl on taylor phase-1 mixers)."""
     n = model.config.num_hidden_layers
     kept, scores = {}, {}
     for policy in policies:
@@ -105,14 +105,20 @@ def choose_layers(model, policies: list[str], built: dict, calib: torch.Tensor, 
             scores[policy] = bypass_scores(model, calib[:4], args.eval_batch_size)
         elif policy == "greedy":
             scores[policy] = greedy_scores(model, built[("taylor", False)], calib[:4], args.eval_batch_size)
+        elif policy == "kl":
+            scores[policy] = kl_scores(model, built[("taylor", False)], calib[:4], args.eval_batch_size)
         kept[policy] = kept_layers(policy, n, args.keep_every, scores.get(policy))
     return kept, scores
 
 
 def check_policies(policies: list[str]) -> None:
     for policy in policies:
-        if policy not in ("uniform", "bypass", "greedy") and not policy.startswith("layers="):
-            raise ValueError(f"unknown layer policy {policy!r}; use uniform, bypass, greedy or layers=0,4,8")
+        if policy in RETRIEVAL:
+            raise ValueError(f"policy {policy!r} scores the teacher's heads on retrieval probes, which only convert "
+                             f"builds: run `taylor-calibrate convert --policy {policy}` and pass the kept_layers of "
+                             "its report.json here as layers=...")
+        if policy not in ("uniform", "bypass", "greedy", "kl") and not policy.startswith("layers="):
+            raise ValueError(f"unknown layer policy {policy!r}; use uniform, bypass, greedy, kl or layers=0,4,8")
 
 
 def markdown_table(result: dict) -> str:

@@ -345,11 +345,17 @@ class ConvertArgs(PipelineArgs):
     align: bool = True
     """Phase 2 (docs/method.md, "Phase 2: alignment"): teacher-forced per-layer alignment after phase 1."""
     policy: str = "auto"
-    """Which layers stay softmax attention: "uniform", "bypass", "greedy", "retrieval" (the layers whose heads the
-    teacher retrieves with), "heads" (head-wise: the KV groups the teacher retrieves with, in any layer),
-    "layers=0,4,8", or "auto": "heads" (whole layers, --target qwen3_5: "retrieval"), the policies that keep the
-    teacher's retrieval (docs/decisions.md, "which heads stay attention"); "uniform" when the teacher's tokenizer or
-    context cannot build the retrieval probes. Resolved once and logged."""
+    """Which layers stay softmax attention: "uniform", "bypass", "greedy", "kl" (the layers whose restoration to
+    attention most lowers the all-GDN hybrid's KL to the teacher), "retrieval" (the layers whose heads the teacher
+    retrieves with), "heads" (head-wise: the KV groups the teacher retrieves with, in any layer), "combined" (kl and
+    retrieval mixed by --policy_weight), "layers=0,4,8", or "auto": "heads" (whole layers, --target qwen3_5:
+    "retrieval"), the policies that keep the teacher's retrieval (docs/decisions.md, "which heads stay attention");
+    "uniform" when the teacher's tokenizer or context cannot build the retrieval probes. Resolved once and logged.
+    report.json keeps the scores (policy_scores) and the choice (kept_layers): --policy layers=<kept_layers> repeats
+    a choice without scoring again."""
+    policy_weight: float = 0.5
+    """--policy combined: the retrieval score's share in [0, 1] (0: the kl policy's layers, 1: the retrieval
+    policy's)."""
     target: str = "hybrid"
     """"hybrid": our own format (the teacher's modules, GDN options as given); "qwen3_5": a hybrid that exports
     exactly to Qwen3.5 (`export --format qwen3_5`, served by transformers / vLLM / SGLang / llama.cpp): GDN layers in
@@ -364,7 +370,10 @@ class ConvertArgs(PipelineArgs):
             raise ValueError(f"target={self.target!r} is not one of {TARGETS}")
         if self.target == "qwen3_5" and self.policy == "heads":
             raise ValueError("--target qwen3_5 needs whole layers (a Qwen3.5 layer is attention or GDN): use a layer "
-                             "policy (uniform, bypass, greedy, retrieval) instead of --policy heads")
+                             "policy (uniform, bypass, greedy, kl, retrieval, combined) instead of --policy heads")
+        if not 0 <= self.policy_weight <= 1:
+            raise ValueError(f"policy_weight={self.policy_weight} must be in [0, 1]: the retrieval score's share in "
+                             "--policy combined (0: kl alone, 1: retrieval alone)")
 
 
 @dataclass

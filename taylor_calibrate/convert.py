@@ -20,8 +20,8 @@ from taylor_calibrate.export import REPORT, check_finite, staged_dir
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.results import record
-from taylor_calibrate.policy import (RETRIEVAL, SCORED, bypass_scores, gdn_layers, greedy_scores, group_scores,
-                                     kept_groups_of, kept_layers, layer_groups)
+from taylor_calibrate.policy import (ON_HYBRIDS, RETRIEVAL, SCORED, bypass_scores, combined_scores, gdn_layers,
+                                     greedy_scores, group_scores, kept_groups_of, kept_layers, kl_scores, layer_groups)
 from taylor_calibrate.qwen3_5 import check_qwen3_form, fit_qk_norm, qwen3_form, target_gdn
 from taylor_calibrate.retrieval import answer_scores, calibration_probes, eval_probes, probe_length
 from taylor_calibrate.stats import attention_targets, collect_stats, retrieval_heads, store_device_for
@@ -121,7 +121,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     times["teacher_eval_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    scores, kept_groups = None, None
+    scores, kept_groups, retrieval_scores = None, None, None
     if args.policy not in SCORED + RETRIEVAL:  # after the probes: auto may have fallen back to uniform
         kept = kept_layers(args.policy, n, args.keep_every, kv_budget=args.kv_budget)
     elif args.policy == "bypass":
@@ -138,13 +138,16 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         if args.policy == "heads":
             kept_groups = kept_groups_of(groups, args.keep_every, args.kv_budget)
             kept = [i for i, g in kept_groups.items() if len(g) == kv]
-        else:
+        elif args.policy == "retrieval":
             kept = kept_layers(args.policy, n, args.keep_every, groups.sum(1).tolist(), args.kv_budget)
-    candidates = list(range(n)) if args.policy == "greedy" else (
+        else:  # combined: chosen with the kl scores, after phase 1
+            retrieval_scores = groups.sum(1).tolist()
+    hybrids = args.policy in ON_HYBRIDS  # scored on hybrids of phase-1 mixers in every layer
+    candidates = list(range(n)) if hybrids else (
         [i for i, g in kept_groups.items() if len(g) < kv] if kept_groups else gdn_layers(kept, n))
     stats = None
-    stored = sorted(set(candidates) | set(kept if adapt and args.policy != "greedy" else []))
-    if args.init != "copy" or args.align or args.policy == "greedy" or adapt:
+    stored = sorted(set(candidates) | set(kept if adapt and not hybrids else []))
+    if args.init != "copy" or args.align or hybrids or adapt:
         store = store_device_for(teacher.model, *splits.calib.shape, stored, device)
         stats = collect_stats(teacher.model, splits.calib, store_layers=stored, batch_size=args.eval_batch_size,
                               store_device=store)
@@ -153,14 +156,19 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     t = time.perf_counter()
     mixers, p1 = calibrated_mixers(teacher.model, stats, candidates, args.init, args.calib, args.gdn, backend, args.seed,
                                    kept_groups)
-    if args.policy == "greedy":
-        scores = greedy_scores(teacher.model, mixers, splits.calib[:4], args.eval_batch_size)
-        kept = kept_layers(args.policy, n, args.keep_every, scores, args.kv_budget)
+    if hybrids:
+        score = greedy_scores if args.policy == "greedy" else kl_scores
+        scores = layer_scores = score(teacher.model, mixers, splits.calib[:4], args.eval_batch_size)
+        if args.policy == "combined":
+            layer_scores = combined_scores(scores, retrieval_scores, args.policy_weight)
+            scores = {"kl": scores, "retrieval": retrieval_scores, "weight": args.policy_weight,
+                      "combined": layer_scores}
+        kept = kept_layers(args.policy, n, args.keep_every, layer_scores, args.kv_budget)
     kept_groups = kept_groups or layer_groups(kept, n, kv)
     converted = [i for i in range(n) if len(kept_groups[i]) < kv]
     headwise = {i: kept_groups[i] for i in converted if kept_groups[i]}
     mixers = {i: mixers[i] for i in converted}
-    if stats is not None:  # greedy stored every layer's rows; phase 2 reads only the converted ones
+    if stats is not None:  # greedy / kl stored every layer's rows; phase 2 reads only the converted ones
         for i in set(candidates) - set(converted) - set(kept if adapt else []):
             del stats.inputs[i], stats.head_outputs[i]
     times["phase1_s"] = time.perf_counter() - t

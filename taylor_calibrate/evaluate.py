@@ -54,13 +54,27 @@ def perplexity(model, tokens: torch.Tensor, batch_size: int = 4, desc: str = "ev
 
 
 @torch.no_grad()
+def kl_sum(p: torch.Tensor, q: torch.Tensor, chunk: int = 1024) -> tuple[float, int]:
+    """KL(softmax(p) || softmax(q)) summed over the positions of logits p, q (..., V), in nats, and how many positions'
+    argmax agree. `chunk` positions at a time go to fp32, so a large vocabulary never needs an fp32 copy of all."""
+    p, q = p.reshape(-1, p.shape[-1]), q.reshape(-1, q.shape[-1])
+    kl, agree = 0.0, 0
+    for j in range(0, p.shape[0], chunk):
+        lp = F.log_softmax(p[j:j + chunk].float(), -1)
+        lq = F.log_softmax(q[j:j + chunk].float(), -1)
+        kl += F.kl_div(lq, lp, log_target=True, reduction="sum").item()
+        agree += (lp.argmax(-1) == lq.argmax(-1)).sum().item()
+    return kl, agree
+
+
+@torch.no_grad()
 def agreement(model, teacher, tokens: torch.Tensor, batch_size: int = 4, chunk: int = 1024,
               desc: str = "agreement") -> dict:
     """How closely `model` predicts like `teacher` on `tokens` (N, T): {"kl", "top1", "tokens"}.
 
     kl: mean forward KL(teacher || model) in nats over every position's next-token distribution; top1: fraction of
-    positions whose argmax agrees. Logits stay in the models' dtype; `chunk` positions at a time go to fp32, so a
-    large vocabulary never needs a (B, T, V) fp32 copy.
+    positions whose argmax agrees. Logits stay in the models' dtype (`kl_sum` takes `chunk` positions at a time to
+    fp32).
     """
     if tokens.ndim != 2 or tokens.shape[1] < 1:
         raise ValueError(f"agreement needs (num_seqs, seq_len) tokens, got shape {tuple(tokens.shape)}")
@@ -76,13 +90,8 @@ def agreement(model, teacher, tokens: torch.Tensor, batch_size: int = 4, chunk: 
         if p.shape != q.shape:
             raise ValueError(f"teacher and model logits differ in shape ({tuple(p.shape)} vs {tuple(q.shape)}): "
                              "agreement needs the same vocabulary")
-        p, q = p.reshape(-1, p.shape[-1]), q.reshape(-1, q.shape[-1])  # (B*T, V)
-        for j in range(0, p.shape[0], chunk):
-            lp = F.log_softmax(p[j:j + chunk].float(), -1)
-            lq = F.log_softmax(q[j:j + chunk].float(), -1)
-            kl += F.kl_div(lq, lp, log_target=True, reduction="sum").item()
-            agree += (lp.argmax(-1) == lq.argmax(-1)).sum().item()
-        count += p.shape[0]
+        batch_kl, batch_agree = kl_sum(p, q, chunk)
+        kl, agree, count = kl + batch_kl, agree + batch_agree, count + p.shape[:-1].numel()
     model.train(modes[0])
     teacher.train(modes[1])
     return {"kl": kl / count, "top1": agree / count, "tokens": count}

@@ -4,9 +4,13 @@
 - `uniform`: every k-th layer from 0.
 - `bypass`: skip each layer's attention alone (output zeroed), rank by the perplexity increase, keep the most damaging.
 - `greedy`: keep only layer i as attention (all others calibrated GDN), measure perplexity, keep the best.
+- `kl`: from the all-GDN hybrid, restore layer i alone to attention, measure how much KL(teacher || hybrid) drops,
+  keep the layers that help most.
+- `retrieval`, `heads`: the layers / KV groups whose heads the teacher retrieves with (scored in `stats`).
+- `combined`: `kl` and `retrieval` scores, each scaled to [0, 1], mixed with one weight.
 - `layers=0,4,8`: an explicit list.
 All keep the same number of layers, ceil(n / keep_every). Scores are measured on *calibration* rows, never on the
-held-out text that reports the result, and cached in a JSON file beside the output.
+held-out text that reports the result; convert keeps them in report.json (`policy_scores`).
 """
 from __future__ import annotations
 
@@ -16,10 +20,13 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-SCORED = ("bypass", "greedy", "retrieval")
-RETRIEVAL = ("retrieval", "heads")
+SCORED = ("bypass", "greedy", "retrieval", "kl", "combined")
+RETRIEVAL = ("retrieval", "heads", "combined")
 """Policies scored on retrieval probes: `retrieval` keeps the layers whose heads put the most attention on the needle
-when the teacher answers; `heads` keeps the KV groups that do (head-wise: a layer can keep some groups)."""
+when the teacher answers; `heads` keeps the KV groups that do (head-wise: a layer can keep some groups); `combined`
+mixes the layer sums with `kl`'s scores."""
+ON_HYBRIDS = ("greedy", "kl", "combined")
+"""Policies scored on hybrids built from phase-1 mixers of every layer: they choose after phase 1."""
 SCORE_RESOLUTION = 0.01
 """Scores (log-perplexities, nats) are ranked rounded to this, equal ones in layer order: a GPU's run-to-run rounding
 can move two nearly equal scores past each other between two runs, and with them the kept layers. (Two scores that
@@ -68,9 +75,10 @@ def spread(num_layers: int, k: int) -> list[int]:
     return sorted({math.floor(i * num_layers / k) for i in range(k)})
 
 
-def ranked(scores, k: int) -> list:
-    """The k highest-scoring keys of `scores` ({key: score}), scores rounded to SCORE_RESOLUTION, ties in key order."""
-    order = sorted(scores, key=lambda i: (-round(scores[i] / SCORE_RESOLUTION), i))
+def ranked(scores, k: int, resolution: float | None = SCORE_RESOLUTION) -> list:
+    """The k highest-scoring keys of `scores` ({key: score}), scores rounded to `resolution` (None: exact), ties in
+    key order."""
+    order = sorted(scores, key=lambda i: (-(round(scores[i] / resolution) if resolution else scores[i]), i))
     return sorted(order[:k])
 
 
@@ -83,12 +91,13 @@ def kept_layers(policy: str, num_layers: int, keep_every: int = 4, scores: list[
     elif policy in SCORED:
         if scores is None or len(scores) != num_layers:
             raise ValueError(f"policy {policy!r} needs one score per layer ({num_layers})")
-        kept = ranked(dict(enumerate(scores)), k)
+        # combined scores mix scores already rounded (combined_scores): ranked exactly, w = 0 / 1 is kl / retrieval
+        kept = ranked(dict(enumerate(scores)), k, None if policy == "combined" else SCORE_RESOLUTION)
     elif policy.startswith("layers="):
         kept = parse_layer_list(policy[len("layers="):], num_layers)
     else:
-        raise ValueError(f"unknown layer policy {policy!r}; use uniform, bypass, greedy, retrieval, heads or "
-                         "layers=0,4,8")
+        raise ValueError(f"unknown layer policy {policy!r}; use uniform, bypass, greedy, kl, retrieval, heads, "
+                         "combined or layers=0,4,8")
     if len(kept) == num_layers:
         raise ValueError(f"policy {policy!r} keeps all {num_layers} layers as attention: nothing would be converted")
     if not kept:
@@ -139,6 +148,57 @@ def greedy_scores(teacher, mixers: dict, tokens: torch.Tensor, batch_size: int =
         with swapped_into(teacher, {j: m for j, m in mixers.items() if j != i}):
             scores.append(-_nll(teacher, tokens, batch_size))
     return [s if math.isfinite(s) else -1e30 for s in scores]
+
+
+@torch.no_grad()
+def kl_scores(teacher, mixers: dict, tokens: torch.Tensor, batch_size: int = 4) -> list[float]:
+    """How much restoring layer i alone to attention brings the all-GDN hybrid (`mixers` in every layer) closer to the
+    teacher: KL(teacher || all GDN) - KL(teacher || all GDN but layer i), nats per token (higher = keep).
+
+    The teacher's logits are computed once per batch and kept, in its dtype, for the n + 1 hybrid passes over that
+    batch (`kl_sum` takes them to fp32 in chunks): no full-vocabulary logits of all rows are ever held at once, and
+    the teacher runs once in all. A hybrid with non-finite outputs counts as a KL of 1e30."""
+    from taylor_calibrate.evaluate import kl_sum
+    from taylor_calibrate.model.hybrid import swapped_into
+
+    n = teacher.config.num_hidden_layers
+    if sorted(mixers) != list(range(n)):
+        raise ValueError(f"kl scores need a phase-1 mixer for every layer (0..{n - 1}), got layers {sorted(mixers)}")
+    print(f"policy kl: {n + 1} hybrid passes (and 1 teacher pass) over {tokens.numel()} calibration tokens")
+    device = next(teacher.parameters()).device
+    was_training = teacher.training
+    teacher.eval()
+    kl, count = [0.0] * (n + 1), 0  # kl[i]: layer i restored; kl[n]: every layer GDN
+    try:
+        for b in tqdm(range(0, tokens.shape[0], batch_size), desc="kl scores", leave=False):
+            ids = tokens[b:b + batch_size].to(device)
+            p = teacher(input_ids=ids, use_cache=False).logits
+            for i in range(n + 1):
+                with swapped_into(teacher, {j: m for j, m in mixers.items() if j != i}):
+                    kl[i] += kl_sum(p, teacher(input_ids=ids, use_cache=False).logits)[0]
+            count += ids.numel()
+    finally:
+        teacher.train(was_training)
+    kl = [k / count if math.isfinite(k) else 1e30 for k in kl]
+    return [kl[n] - kl[i] for i in range(n)]
+
+
+def combined_scores(kl: list[float], retrieval: list[float], weight: float) -> list[float]:
+    """(1 - weight) * kl + weight * retrieval, each of the two layer scores rounded to SCORE_RESOLUTION (as its own
+    policy ranks it) and then scaled min-max to [0, 1] over the layers (all equal: all 0).
+
+    Min-max because the two are in different units (nats per token; attention mass): scaled, each gives its best
+    layer 1 and its worst 0, without assuming a distribution, and keeps its own order and ties exactly, so weight 0
+    keeps `kl`'s layers and weight 1 `retrieval`'s."""
+    def scaled(scores):
+        q = [round(s / SCORE_RESOLUTION) for s in scores]
+        lo, hi = min(q), max(q)
+        return [(s - lo) / (hi - lo) if hi > lo else 0.0 for s in q]
+
+    if len(kl) != len(retrieval):
+        raise ValueError(f"combined scores need one kl and one retrieval score per layer, got {len(kl)} and "
+                         f"{len(retrieval)}")
+    return [(1 - weight) * a + weight * b for a, b in zip(scaled(kl), scaled(retrieval))]
 
 
 def group_scores(head_scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

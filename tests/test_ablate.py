@@ -10,7 +10,7 @@ from taylor_calibrate.ablate import markdown_table, parse_init, run_ablate
 from taylor_calibrate.config import AblateArgs, AlignArgs, DataArgs
 
 INITS = ["copy", "align", "taylor", "taylor+align"]
-POLICIES = ["uniform", "bypass", "greedy"]
+POLICIES = ["uniform", "bypass", "greedy", "kl"]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_one_row_per_init_and_policy(ablated):
     kept = {p: {tuple(r["kept_layers"]) for r in rows if r["policy"] == p} for p in POLICIES}
     assert all(len(k) == 1 for k in kept.values()), "every init of a policy converts the same layers"
     assert kept["uniform"] == {(0, 2)}
-    for p in ("bypass", "greedy"):
+    for p in ("bypass", "greedy", "kl"):
         assert len(result["policy_scores"][p]) == 4
 
 
