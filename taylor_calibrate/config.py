@@ -305,6 +305,9 @@ class PipelineArgs:
     teacher's heads on calibration probes at --data.seq_len and 4x that many tokens (capped by the teacher's
     context); convert reports the teacher-forced answer log-probability of teacher and hybrid on evaluation probes
     at --data.seq_len (other needles, other haystack)."""
+    policy_weight: float = 0.5
+    """Policy `combined` (convert, and recovery / tradeoff through convert): the retrieval score's share in [0, 1]
+    (0: the `kl` policy's layers, 1: the `retrieval` policy's)."""
     profile: str = "auto"
     """Sizes for unset data/alignment options: "full" (GPU), "quick" (CPU), "auto" (full on CUDA, else quick)."""
     gdn: GDNConfig = field(default_factory=GDNConfig)
@@ -330,6 +333,9 @@ class PipelineArgs:
             raise ValueError(f"kv_budget={self.kv_budget} must be a fraction of the teacher's KV cache in (0, 1)")
         if self.probe_samples < 1:
             raise ValueError(f"probe_samples={self.probe_samples} must be >= 1")
+        if not 0 <= self.policy_weight <= 1:
+            raise ValueError(f"policy_weight={self.policy_weight} must be in [0, 1]: the retrieval score's share in "
+                             "--policy combined (0: kl alone, 1: retrieval alone)")
         check_batch(self.eval_batch_size)
 
 
@@ -353,9 +359,6 @@ class ConvertArgs(PipelineArgs):
     "uniform" when the teacher's tokenizer or context cannot build the retrieval probes. Resolved once and logged.
     report.json keeps the scores (policy_scores) and the choice (kept_layers): --policy layers=<kept_layers> repeats
     a choice without scoring again."""
-    policy_weight: float = 0.5
-    """--policy combined: the retrieval score's share in [0, 1] (0: the kl policy's layers, 1: the retrieval
-    policy's)."""
     target: str = "hybrid"
     """"hybrid": our own format (the teacher's modules, GDN options as given); "qwen3_5": a hybrid that exports
     exactly to Qwen3.5 (`export --format qwen3_5`, served by transformers / vLLM / SGLang / llama.cpp): GDN layers in
@@ -371,9 +374,6 @@ class ConvertArgs(PipelineArgs):
         if self.target == "qwen3_5" and self.policy == "heads":
             raise ValueError("--target qwen3_5 needs whole layers (a Qwen3.5 layer is attention or GDN): use a layer "
                              "policy (uniform, bypass, greedy, kl, retrieval, combined) instead of --policy heads")
-        if not 0 <= self.policy_weight <= 1:
-            raise ValueError(f"policy_weight={self.policy_weight} must be in [0, 1]: the retrieval score's share in "
-                             "--policy combined (0: kl alone, 1: retrieval alone)")
 
 
 @dataclass
@@ -386,7 +386,7 @@ class AblateArgs(PipelineArgs):
                                                       "taylor+align"])
     """Rows: <copy|zero_gate|paper|taylor>[+align]; "align" = copy + alignment (phase-2-only)."""
     policies: list[str] = field(default_factory=lambda: ["uniform", "bypass", "greedy"])
-    """Columns: layer policies."""
+    """Columns: layer policies (uniform, bypass, greedy, kl, layers=0,4,8)."""
     command: str | None = None
     """The command line to record in the results (for reproducibility)."""
 
@@ -610,9 +610,9 @@ class RecoveryArgs(PipelineArgs):
     out: str = "out/recovery"
     """Output directory (recovery.json, recovery.md, curves PNG, one resumable run directory per policy x init)."""
     policies: list[str] = field(default_factory=lambda: ["uniform", "bypass", "greedy"])
-    """Layer policies ("uniform", "bypass", "greedy", "layers=0,4,8") and the retrieval-scored ones whose students
-    `convert` builds: "heads" (head-wise), "retrieval", "auto" (as convert's --policy auto); --kv_budget sets their
-    share of the KV cache."""
+    """Layer policies ("uniform", "bypass", "greedy", "kl", "layers=0,4,8") and the retrieval-scored ones whose
+    students `convert` builds: "heads" (head-wise), "retrieval", "combined", "auto" (as convert's --policy auto);
+    --kv_budget sets their share of the KV cache."""
     inits: list[str] = field(default_factory=lambda: ["copy", "align", "taylor+align"])
     """Baseline first: "copy" (copy-only), "align" (phase-2-only), "taylor+align" (ours), "paper+align" ..."""
     extra: list[str] = field(default_factory=lambda: ["uniform:paper+align"])
