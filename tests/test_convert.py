@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 from taylor_calibrate.cli import main
 from taylor_calibrate.teacher import embedded_teacher_path
 
-SMALL = ["--data.seq_len", "128", "--data.calib_seqs", "2", "--data.eval_seqs", "4", "--device", "cpu"]
+SMALL = ["--data.seq_len", "128", "--data.calib_seqs", "2", "--data.eval_seqs", "4", "--probe_samples", "1",
+         "--device", "cpu"]
 
 try:
     embedded_teacher_path()
