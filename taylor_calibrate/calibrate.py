@@ -8,7 +8,8 @@ Two versions, every step switchable for ablations:
   inputs, not just the logits' spread); the per-head amplitude sigma_h reaches the output (through the gate's
   mean when a per-head norm would cancel it, else through o_proj); the output gate is a small perturbation around
   that amplitude; with short convs, each head's v conv holds the teacher's local attention profile (mean p_{t,t-j}
-  over the conv's offsets), the part of the pattern a RoPE-free recurrence cannot express.
+  over the conv's offsets), the part of the pattern a RoPE-free recurrence cannot express; with SiLU on v and the
+  per-head norm (Qwen3.5's layer), v_proj is pre-scaled so that SiLU works where it is nearly linear.
 Baselines: `copy` (weight copy, library-default dynamics) and `zero_gate` (g_proj = 0).
 """
 from __future__ import annotations
@@ -179,6 +180,11 @@ def calibrate_taylor(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: t
             w[h] += (delta * dvec).to(w.dtype)
         rep["beta_star"] = beta_star.tolist()
 
+    # after the dynamics (it measures the readout they shape), before the amplitude (which must see it)
+    if args.v_prescale and mixer.cfg.v_activation == "silu" and mixer.o_norm is not None:
+        s, err = prescale_v(mixer, x[:args.sigma_rows])
+        rep["v_prescale"], rep["v_prescale_error"] = s.tolist(), err.tolist()
+
     # Amplitude takes effect. With the output gate calibrated, |sigma_h| becomes the gate's mean value and the sign
     # goes into o_proj's head-h columns; without a gate, or with `output_gate` off (g_proj keeps its library init),
     # all of sigma_h goes into those columns, measured through whatever gate is there (exact: o_proj is linear).
@@ -205,6 +211,42 @@ def calibrate_taylor(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: t
             g += (zrow * dvec[None, :]).to(g.dtype)
         rep["sigma"] = sigma.tolist()
     return rep
+
+
+def _conv_v(mixer: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
+    """v after the short conv, before its activation: (B, T, H, D)."""
+    B, T, _ = x.shape
+    v = mixer.v_proj(x)
+    if mixer.cfg.short_conv != "none":
+        v = mixer._short_conv(v, v, v, None)[2]
+    return v.view(B, T, mixer.num_heads, mixer.head_dim)
+
+
+@torch.no_grad()
+def prescale_v(mixer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU on v, per-head norm after the readout: scale head h's v_proj rows by s_h so that SiLU works
+    where it is nearly linear, SiLU(z) = z/2 + z^2/4 + O(z^4), and the layer computes what it would with linear v
+    (docs/method.md, "taylor", "v pre-scale"). The norm makes the layer blind to the scale of v up to its epsilon,
+    so s_h trades the quadratic term (relative size (c/2) rho2/rho at c = s_h rms(u)) against the epsilon
+    (eps / (2 ms(readout)) = 2 eps / (c rho)^2); the sum is least at c = 2 (eps / (rho rho2))^(1/3). u is the conv'd
+    v, rho = rms R(u) / rms u and rho2 = rms R(u^2) / ms u with R the recurrence's readout, measured on x.
+    Exact in the decode path too: v_proj is linear and comes before the conv. Returns s and the predicted relative
+    error of each head's normed readout against linear v's (the sum of both terms at that c), each (H,)."""
+    q, k, _, g, beta = mixer.features(x)
+    u = _conv_v(mixer, x).float()
+    r = u.pow(2).mean((0, 1, 3)).sqrt().clamp_min(1e-12)
+
+    def rms_readout(v):
+        return mixer.readout(q, k, v.to(q.dtype), g, beta).float().pow(2).mean((0, 1, 3)).sqrt()
+
+    rho, rho2 = rms_readout(u) / r, rms_readout(u * u) / r ** 2
+    c = 2 * (mixer.cfg.norm_eps / (rho * rho2).clamp_min(1e-30)) ** (1 / 3)
+    s, err = c / r, 0.75 * c * rho2 / rho
+    rows = s.repeat_interleave(mixer.head_dim).to(mixer.v_proj.weight.dtype)
+    mixer.v_proj.weight.mul_(rows[:, None])
+    if mixer.v_proj.bias is not None:
+        mixer.v_proj.bias.mul_(rows)
+    return s, err
 
 
 def _set_local_profile(mixer: GatedDeltaNet, st: LayerStats) -> torch.Tensor:

@@ -148,6 +148,10 @@ class CalibArgs:
     """With short convs (--gdn.short_conv identity|random): taylor sets each head's v conv kernel to the teacher's
     mean attention over the conv's K nearest offsets, p_{t,t-j} for j < K (renormalised), and the q / k convs to
     identity: the local part of the attention pattern at step 0, which the RoPE-free recurrence cannot express."""
+    v_prescale: bool = True
+    """With SiLU on v and the per-head output norm (Qwen3.5's layer, `--target qwen3_5`): taylor scales each head's
+    v_proj rows so that SiLU works where it is nearly linear and the layer computes what it would with linear v; the
+    norm makes the scale of v otherwise invisible (docs/method.md, "taylor", "v pre-scale")."""
     beta_min: float = 0.3
     beta_span: float = 0.4
     gate_alpha: float = 0.01

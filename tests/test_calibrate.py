@@ -287,6 +287,58 @@ def test_taylor_value_scale_off_leaves_unit_amplitude(teacher):
         torch.testing.assert_close(_column_scale(mixer, model.model.layers[i].self_attn), torch.ones(H))
 
 
+# ----------------------------------------------------------------------------- taylor: SiLU on v (Qwen3.5's layer)
+
+
+def _normed_readout(mixer, x):
+    with torch.no_grad():
+        return mixer.o_norm(mixer.readout(*mixer.features(x))).float()
+
+
+def _head_rel_err(a, ref):
+    """Per head: RMS(a - ref) / RMS(ref) over rows, tokens and the head dim."""
+    return ((a - ref).pow(2).mean((0, 1, 3)) / ref.pow(2).mean((0, 1, 3))).sqrt()
+
+
+def test_taylor_v_prescale_makes_silu_v_compute_linear_v(teacher):
+    """SiLU on v with the per-head norm (the tiny teacher's epsilon, as --target qwen3_5 sets): the pre-scale makes
+    each head's normed readout that of the same layer with linear v, within twice the error its choice of scale
+    predicts (a first-order sum over the readout's mean square; the epsilon weighs most on the tokens with the
+    smallest readout, hence the factor 2); without the pre-scale the error is several times larger."""
+    model, stats = teacher
+    eps = model.config.rms_norm_eps
+    linear, _ = _calibrated(model, stats, gdn=GDNConfig(v_activation="identity", norm_eps=eps))
+    scaled, report = _calibrated(model, stats, gdn=GDNConfig(v_activation="silu", norm_eps=eps))
+    raw, raw_report = _calibrated(model, stats, calib=CalibArgs(v_prescale=False),
+                                  gdn=GDNConfig(v_activation="silu", norm_eps=eps))
+    for i in LAYERS:
+        assert "v_prescale" not in raw_report[i]
+        x = stats.inputs[i][:ROWS]
+        ref = _normed_readout(linear[i], x)
+        err, err_raw = _head_rel_err(_normed_readout(scaled[i], x), ref), _head_rel_err(_normed_readout(raw[i], x), ref)
+        predicted = torch.tensor(report[i]["v_prescale_error"])
+        assert (err <= 2 * predicted).all(), (err, predicted)
+        assert err_raw.mean() > 2.5 * err.mean(), (err_raw, err)
+
+
+def test_taylor_v_prescale_scales_only_v_proj_rows(teacher):
+    """The pre-scale is s_h on head h's v_proj rows and nothing else of the copied projections; linear v or no
+    per-head norm gets none."""
+    model, stats = teacher
+    gdn = GDNConfig(v_activation="silu")
+    scaled, report = _calibrated(model, stats, gdn=gdn)
+    raw, _ = _calibrated(model, stats, calib=CalibArgs(v_prescale=False), gdn=gdn)
+    for i in LAYERS:
+        s = torch.tensor(report[i]["v_prescale"])
+        ratio = (scaled[i].v_proj.weight / raw[i].v_proj.weight).view(H, D, -1)
+        torch.testing.assert_close(ratio, s[:, None, None].expand_as(ratio), rtol=1e-4, atol=0)
+        for name in ("q_proj", "k_proj", "q_conv1d", "k_conv1d", "v_conv1d", "a_proj", "b_proj"):
+            assert torch.equal(getattr(scaled[i], name).weight, getattr(raw[i], name).weight), name
+    for gdn in (GDNConfig(v_activation="identity"), GDNConfig(v_activation="silu", output_norm=False)):
+        _, report = _calibrated(model, stats, gdn=gdn)
+        assert all("v_prescale" not in report[i] for i in LAYERS)
+
+
 def test_calibration_is_deterministic(teacher):
     model, stats = teacher
     a, _ = _calibrated(model, stats)
