@@ -67,15 +67,17 @@ def _sigma(mixer, x, y, norm: bool, gated: bool = False) -> torch.Tensor:
     return (y * yhat).sum((0, 1, 3)) / (yhat * yhat).sum((0, 1, 3)).clamp_min(1e-12)
 
 
-def constant_direction(xf: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
+def constant_direction(xf: torch.Tensor, ridge: float = 1e-3, anchor: torch.Tensor | None = None) -> torch.Tensor:
     """d with mean_t x_t.d = 1 and the least variance of x_t.d over tokens: d = S^-1 mu / (mu' S^-1 mu), S the input
     covariance (ridge-regularised). fla's layer has no biases on a_proj/b_proj/g_proj; this direction lets a weight row
-    act like one, so a calibrated gate level is (nearly) the same for every token."""
+    act like one, so a calibrated gate level is (nearly) the same for every token. `anchor` (hidden,): an input that
+    must give exactly 1 as well (d = S^-1 M (M' S^-1 M)^-1 1 with M = [mu, anchor])."""
     mu = xf.mean(0)
     cov = torch.cov(xf.T) if xf.shape[0] > 1 else torch.zeros(xf.shape[1], xf.shape[1], device=xf.device)
     cov = cov + ridge * cov.diagonal().mean().clamp_min(1e-12) * torch.eye(cov.shape[0], device=xf.device)
-    d = torch.linalg.solve(cov, mu)
-    return d / mu.dot(d)
+    m = mu[:, None] if anchor is None else torch.stack([mu, anchor.float()], 1)
+    sm = torch.linalg.solve(cov, m)
+    return sm @ torch.linalg.solve(m.T @ sm, torch.ones(m.shape[1], device=xf.device))
 
 
 def _solve_mean_sigmoid(z: torch.Tensor, u: torch.Tensor, target: float, iters: int = 60) -> float:

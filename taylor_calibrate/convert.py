@@ -22,7 +22,7 @@ from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.results import record
 from taylor_calibrate.policy import (ON_HYBRIDS, RETRIEVAL, SCORED, bypass_scores, combined_scores, gdn_layers,
                                      greedy_scores, group_scores, kept_groups_of, kept_layers, kl_scores, layer_groups)
-from taylor_calibrate.qwen3_5 import check_qwen3_form, fit_qk_norm, qwen3_form, target_gdn
+from taylor_calibrate.qwen3_5 import check_qwen3_form, qwen3_form, start_qk_norm, target_gdn
 from taylor_calibrate.retrieval import answer_scores, calibration_probes, eval_probes, probe_length
 from taylor_calibrate.stats import attention_targets, collect_stats, retrieval_heads, store_device_for
 from taylor_calibrate.teacher import Teacher, load_teacher, resolve_device, resolve_dtype
@@ -183,13 +183,13 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     times["phase2_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    form, p2_attention = teacher.model, None
+    form, p2_attention, qk_pairs = teacher.model, None, None
     if args.target == "qwen3_5":
         form = qwen3_form(teacher.model)
     if adapt:  # q/k RMSNorm added to the kept attention: closed-form start, then phase 2's alignment
         attns = {i: RopedAttention(form.model.layers[i].self_attn, form.model.rotary_emb) for i in kept}
-        for i, m in attns.items():
-            fit_qk_norm(m.attn, stats.inputs[i][:args.calib.fit_rows].to(device))
+        qk_pairs = {i: start_qk_norm(m.attn, m.rotary, stats.inputs[i][:args.calib.fit_rows].to(device))
+                    for i, m in attns.items()}
         if args.align:
             targets = attention_targets(teacher.model, stats, kept, release=True)
             p2_attention = align_attention(attns, {i: stats.inputs[i] for i in kept}, targets, args.phase2)
@@ -232,6 +232,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         "phase2": p2,
         "target": args.target,
         "phase2_attention": p2_attention,
+        "qk_norm_spare_pairs": qk_pairs,
         "teacher_params": _count(teacher.model),
         "hybrid_params": _count(hybrid),
         "profile": profile,

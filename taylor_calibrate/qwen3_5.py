@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from taylor_calibrate.calibrate import constant_direction
 from taylor_calibrate.checks import check_out
 from taylor_calibrate.config import GDN_TYPE, ExportArgs, HybridConfig
 from taylor_calibrate.export import check_safetensors, check_state
@@ -353,7 +354,7 @@ def check_qwen3_form(tc) -> None:
 @torch.no_grad()
 def qwen3_form(teacher):
     """The teacher rebuilt as a Qwen3 model (Qwen3.5's attention without its gate, which export sets to a constant
-    1/2): the same weights, plus q/k RMSNorm (unit weights here; `fit_qk_norm` and alignment set them) and a zero
+    1/2): the same weights, plus q/k RMSNorm (unit weights here; `start_qk_norm` and alignment set them) and a zero
     o_proj bias where the teacher has q/k/v biases only. A Qwen3 teacher is returned as it is."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.initialization import no_init_weights
@@ -398,12 +399,61 @@ def qwen3_form(teacher):
 
 
 @torch.no_grad()
-def fit_qk_norm(attn, x: torch.Tensor) -> None:
-    """Closed-form start for the added q/k RMSNorm weights: per channel d, the least-squares w_d with
-    w_d * q_d / rms(q) ~ q_d over the given inputs' tokens and heads (the same for k), so the normed projections keep
-    the teacher's typical size; alignment then fixes what a per-token rescaling changes."""
+def spare_pair(attn, rotary, x: torch.Tensor) -> int:
+    """The RoPE pair p (dims p and p + D/2 of every head) whose share of the logits the teacher's attention feels
+    least: the attention-weighted variance over keys of the pair's logit term, summed over heads and queries (what
+    dropping that term moves in the attention pattern, to second order). `attn`: the teacher's q/k projections
+    (no q/k norm applied); x: (N, T, hidden) inputs."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    N, T, _ = x.shape
+    D = attn.head_dim
+    q = attn.q_proj(x).view(N, T, -1, D).transpose(1, 2)
+    k = attn.k_proj(x).view(N, T, -1, D).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, *rotary(x, torch.arange(T, device=x.device)[None]))
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+    score = torch.zeros(D // 2, device=x.device)
+    for h in range(q.shape[1]):  # one head at a time: (N, T, T) per pair
+        qh, kh = q[:, h].float(), k[:, h].float()
+        p = (qh @ kh.transpose(1, 2) * attn.scaling).masked_fill(future, -math.inf).softmax(-1)
+        pq, pk = qh.view(N, T, 2, D // 2), kh.view(N, T, 2, D // 2)  # rotate_half pairs dims j and j + D/2
+        for j in range(D // 2):
+            term = torch.einsum("ntc,nsc->nts", pq[..., j], pk[..., j]) * attn.scaling
+            mean = (p * term).sum(-1, keepdim=True)
+            score[j] += (p * (term - mean) ** 2).sum(-1).mean()
+    return int(score.argmin())
+
+
+@torch.no_grad()
+def start_qk_norm(attn, rotary, x: torch.Tensor) -> int:
+    """Closed-form start for the q/k RMSNorm added to a kept attention layer; returns the RoPE pair it spends.
+
+    Per-token normalisation would rescale each query's logits (its temperature) and each key's (the pattern). So one
+    pair per head (`spare_pair`) gives up its content: its first dim carries a value b nearly constant over tokens (the
+    projection row b * d, d the input direction with x.d = 1 on average, exactly on the first position, where later
+    attention parks; the bias where the teacher has one: exact), its second dim 0. b is large enough (16 x the
+    largest |q| on the rows) that the RMS is b's, the same for every token and head up to the spread of x.d and
+    1/256 (bf16's resolution). The q norm's weight is 0 on the pair (its logit term vanishes whatever k holds there),
+    the k norm's too, and elsewhere one least-squares scalar: the normed q and k are then the teacher's, rescaled."""
+    D = attn.head_dim
+    pair = spare_pair(attn, rotary, x[:2])
+    xf = x.reshape(-1, x.shape[-1]).float()
+    d = constant_direction(xf, anchor=x[:, 0].float().mean(0))
+    spent = torch.zeros(D, dtype=torch.bool, device=x.device)
+    spent[[pair, pair + D // 2]] = True
     for proj, norm in ((attn.q_proj, attn.q_norm), (attn.k_proj, attn.k_norm)):
-        D = norm.weight.shape[0]
-        q = proj(x.to(proj.weight)).float().reshape(-1, D)
-        qn = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-        norm.weight.copy_(((q * qn).sum(0) / qn.pow(2).sum(0).clamp_min(1e-12)).to(norm.weight))
+        w = proj.weight.view(-1, D, proj.weight.shape[1])  # (heads, D, hidden)
+        y = proj(xf.to(w)).float().view(xf.shape[0], -1, D)[..., ~spent]  # the teacher's q (k) without the pair
+        b = 16 * y.pow(2).sum(-1).sqrt().max()
+        w[:, spent] = 0
+        if proj.bias is not None:
+            proj.bias.view(-1, D)[:, spent] = 0
+            proj.bias.view(-1, D)[:, pair] = b.to(proj.bias)
+        else:
+            w[:, pair] = (b * d).to(w)
+        z = proj(xf.to(w)).float().view(xf.shape[0], -1, D)
+        zn = (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))[..., ~spent]
+        norm.weight.fill_((y * zn).sum() / zn.pow(2).sum())
+        norm.weight[spent] = 0
+    return pair

@@ -203,3 +203,63 @@ def test_target_qwen3_5_refuses_gemma3_with_the_reason():
 
     with pytest.raises(ValueError, match="Gemma 3"):
         qwen3_form(tiny_teacher("gemma3_text"))
+
+
+# --- the closed-form start of the added q/k RMSNorm (start_qk_norm) ------------------------------------------------
+def _kept_attention(arch, shared: float = 3.0):
+    """(teacher attention, its Qwen3-form copy, rotary, inputs): inputs with a shared direction of size `shared` x their
+    spread, as real residual streams have (SmolLM2's attention inputs: x.d spreads by about 2% over tokens)."""
+    from taylor_calibrate.qwen3_5 import qwen3_form
+
+    teacher = tiny_teacher(arch, initializer_range=0.2)
+    form = qwen3_form(teacher)
+    g = torch.Generator().manual_seed(3)
+    e = torch.randn(teacher.config.hidden_size, generator=g)
+    x = torch.randn(4, 48, teacher.config.hidden_size, generator=g) + shared * e / e.norm() * 8
+    return teacher.model.layers[1].self_attn, form.model.layers[1].self_attn, form.model.rotary_emb, x
+
+
+def _qk(attn, x, normed):
+    B, T, _ = x.shape
+    D = attn.head_dim
+    q, k = attn.q_proj(x).view(B, T, -1, D), attn.k_proj(x).view(B, T, -1, D)
+    return (attn.q_norm(q), attn.k_norm(k)) if normed else (q, k)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@torch.no_grad()
+def test_start_qk_norm_keeps_the_teachers_q_and_k_but_one_pair(arch):
+    """Normed q and k equal the teacher's on every dim but the spent pair, times one factor per token and head; the
+    factor's spread over tokens and heads is the constant's: that of x.d (plus 1/256 from b's size), only the latter
+    where the teacher has a bias (Qwen2), so attention keeps its temperature and pattern. The pair's logit term is 0
+    (q norm weight 0 there)."""
+    from taylor_calibrate.calibrate import constant_direction
+    from taylor_calibrate.qwen3_5 import start_qk_norm
+
+    teacher_attn, attn, rotary, x = _kept_attention(arch)
+    pair = start_qk_norm(attn, rotary, x)
+    D = attn.head_dim
+    spent = torch.zeros(D, dtype=torch.bool)
+    spent[[pair, pair + D // 2]] = True
+    assert (attn.q_norm.weight[spent] == 0).all()
+    xf = x.reshape(-1, x.shape[-1])
+    u = xf @ constant_direction(xf, anchor=x[:, 0].mean(0))
+    spread = (u.std() / u.mean()).item() if arch == "llama" else 0.0
+    for normed, raw in zip(_qk(attn, x, True), _qk(teacher_attn, x, False)):
+        a, b = normed[..., ~spent], raw[..., ~spent]
+        f = (a * b).sum(-1) / (b * b).sum(-1)  # (B, T, heads)
+        torch.testing.assert_close(a, f[..., None] * b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
+        assert (f.std() / f.mean()).item() <= 1.1 * spread + 1 / 256
+
+
+@torch.no_grad()
+def test_spare_pair_is_a_pair_attention_does_not_use():
+    from taylor_calibrate.qwen3_5 import spare_pair
+
+    teacher_attn, attn, rotary, x = _kept_attention("llama")
+    D = attn.head_dim
+    for p in (0, 5):
+        w = attn.q_proj.weight.view(-1, D, x.shape[-1])
+        w[:, [p, p + D // 2]] = 0  # the pair's logit term is 0 for every query and key
+        assert spare_pair(attn, rotary, x) == p
+        w.copy_(teacher_attn.q_proj.weight.view_as(w))
