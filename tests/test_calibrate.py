@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import one_thread, tiny_teacher
+from conftest import decoded_logits, one_thread, tiny_teacher
 
 from taylor_calibrate.calibrate import calibrate_paper, calibrate_taylor, concentration, distance, inv_softplus
 from taylor_calibrate.config import CalibArgs, GDNConfig
 from taylor_calibrate.calibrate import calibrated_mixers
-from taylor_calibrate.model.hybrid import make_mixers
+from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
 from taylor_calibrate.stats import collect_stats
 
 LAYERS = [1, 2]
@@ -337,6 +337,20 @@ def test_taylor_v_prescale_scales_only_v_proj_rows(teacher):
     for gdn in (GDNConfig(v_activation="identity"), GDNConfig(v_activation="silu", output_norm=False)):
         _, report = _calibrated(model, stats, gdn=gdn)
         assert all("v_prescale" not in report[i] for i in LAYERS)
+
+
+def test_taylor_v_prescaled_hybrid_decodes_as_it_runs_whole(teacher):
+    """The pre-scaled v_proj (before the local-profile v conv) in a hybrid: cached decoding gives the full forward's
+    logits; the conv cache holds the scaled v_proj outputs, so nothing else has to know the scale."""
+    model, stats = teacher
+    gdn = GDNConfig(v_activation="silu", norm_eps=model.config.rms_norm_eps)
+    mixers, report = _calibrated(model, stats, gdn=gdn)
+    assert all("v_prescale" in report[i] for i in LAYERS)
+    hybrid = convert_teacher(model, LAYERS, gdn, mixers=mixers)
+    ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = hybrid(ids, use_cache=False).logits
+        torch.testing.assert_close(decoded_logits(hybrid, ids, 17), full, rtol=1e-4, atol=1e-4)
 
 
 def test_calibration_is_deterministic(teacher):
