@@ -36,11 +36,14 @@ def main(argv=None):
     ap.add_argument("--niah-lengths", default="1024,2048,4096,8192")
     ap.add_argument("--niah-samples", default="20")
     ap.add_argument("--out", default=None, help="JSON path (a .md table is written beside it)")
+    ap.add_argument("--policy", default="uniform",
+                    help="layer policy of both conversions (the same layers kept: the cost of the format alone; the "
+                         "default head-wise conversion has no Qwen3.5 form)")
     ap.add_argument("--convert-args", default="", help="extra arguments of both convert calls (one quoted string)")
     a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     w = Path(a.work)
     niah = ["--niah", "true", "--niah_lengths", f"[{a.niah_lengths}]", "--niah_samples", a.niah_samples]
-    conv = [*shlex.split(a.convert_args), *extra]
+    conv = ["--policy", a.policy, *shlex.split(a.convert_args), *extra]
     run(["convert", "--teacher", a.teacher, "--out", str(w / "ours"), *conv])
     run(["convert", "--teacher", a.teacher, "--target", "qwen3_5", "--out", str(w / "target"), *conv])
     run(["export", "--model", str(w / "target"), "--format", "qwen3_5", "--out", str(w / "served")])
@@ -49,7 +52,7 @@ def main(argv=None):
     ours = json.loads((w / "eval_ours" / "report.json").read_text())
     served = json.loads((w / "eval_served" / "report.json").read_text())
     target = json.loads((w / "target" / "report.json").read_text())
-    res = {"command": "python benchmarks/target_qwen3_5.py " + " ".join(argv), 
+    res = {"command": "python benchmarks/target_qwen3_5.py " + " ".join(argv),
            "teacher": a.teacher, "teacher_ppl": ours.get("teacher_ppl"), "ours_ppl": ours["model_ppl"],
            "served_ppl": served["model_ppl"], "served_over_ours": served["model_ppl"] / ours["model_ppl"],
            "target_convert_ppl": target["hybrid_ppl"], "kept_layers": target["kept_layers"],

@@ -20,3 +20,5 @@ def test_tiny_run(tmp_path):
     assert res["served_ppl"] == pytest.approx(res["target_convert_ppl"], rel=1e-4)
     assert res["teacher_ppl"] and res["ours_ppl"] and set(res["niah"]) == {"teacher", "ours", "served"}
     assert "| ours (HybridForCausalLM) |" in out.with_suffix(".md").read_text()
+    ours, target = (json.loads((tmp_path / "w" / d / "report.json").read_text()) for d in ("ours", "target"))
+    assert ours["policy"] == target["policy"] == "uniform" and ours["kept_layers"] == target["kept_layers"]
