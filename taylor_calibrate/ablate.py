@@ -107,7 +107,7 @@ def choose_layers(model, policies: list[str], built: dict, calib: torch.Tensor, 
             scores[policy] = greedy_scores(model, built[("taylor", False)], calib[:4], args.eval_batch_size)
         elif policy == "kl":
             scores[policy] = kl_scores(model, built[("taylor", False)], calib[:4], args.eval_batch_size)
-        kept[policy] = kept_layers(policy, n, args.keep_every, scores.get(policy))
+        kept[policy] = kept_layers(policy, n, args.keep_every, scores.get(policy), args.kv_budget)
     return kept, scores
 
 

@@ -106,3 +106,15 @@ def test_bad_ablate_options_fail_before_any_work(kw, monkeypatch):
     monkeypatch.setattr(ablate, "load_teacher", no_teacher)
     with pytest.raises(ValueError):
         run_ablate(AblateArgs(teacher="unused", device="cpu", **kw))
+
+
+def test_choose_layers_honours_the_kv_budget():
+    from types import SimpleNamespace
+
+    from taylor_calibrate.ablate import choose_layers
+
+    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=30))
+    kept, _ = choose_layers(model, ["uniform"], {}, None, SimpleNamespace(keep_every=4, kv_budget=0.1))
+    assert len(kept["uniform"]) == 3  # floor(0.1 x 30), not ceil(30 / 4)
+    kept, _ = choose_layers(model, ["uniform"], {}, None, SimpleNamespace(keep_every=4, kv_budget=None))
+    assert len(kept["uniform"]) == 8
