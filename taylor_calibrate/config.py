@@ -479,7 +479,7 @@ class EvalArgs:
 
 
 PARALLEL = ("ddp", "fsdp")
-TRAIN_MODES = ("mixers", "all")
+TRAIN_MODES = ("mixers", "gdn", "all")
 
 
 @dataclass
@@ -495,7 +495,8 @@ class TrainArgs:
     micro_batch_size: int | None = None
     """Rows per forward pass per process (None: batch_size / processes, i.e. no gradient accumulation)."""
     train: str = "mixers"
-    """Which parameters train: "mixers" (the converted GDN layers only) or "all"."""
+    """Which parameters train: "mixers" (every converted layer's token mixer; in a head-wise layer both its GDN heads
+    and its kept attention heads), "gdn" (the GDN heads only: kept attention stays the teacher's) or "all"."""
     lr: float = 3e-4
     """Peak learning rate (AdamW), after a linear warmup, then cosine to 10%."""
     warmup: float = 0.05

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from taylor_calibrate.config import (DistillArgs, TrainArgs, apply_profile, apply_train_profile)
+from taylor_calibrate.config import GDN_TYPE, DistillArgs, TrainArgs, apply_profile, apply_train_profile
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.data import TokenWindows, distill_data, repeat_spans, step_windows
 from taylor_calibrate.export import REPORT, check_finite, load_model, staged_dir
@@ -91,11 +91,14 @@ def _all_sum(values: list[float], ctx: Dist, device) -> list[float]:
 
 # --- what trains, and how it is wrapped --------------------------------------------------------------------------
 def trainable_names(student, mode: str) -> list[str]:
-    """"mixers": the GDN layers' parameters (everything converted); "all": every parameter."""
+    """"mixers": the token mixers of the converted layers (head-wise ones whole); "gdn": their GDN heads only (a
+    head-wise layer's kept attention stays frozen); "all": every parameter."""
     names = [n for n, _ in student.named_parameters()]
     if mode == "all":
         return names
-    prefixes = tuple(f"model.layers.{i}.self_attn." for i in student.config.gdn_layers)
+    headwise = set(student.config.gdn_layers) - {i for i, t in enumerate(student.config.layer_types) if t == GDN_TYPE}
+    prefixes = tuple(f"model.layers.{i}.self_attn." + ("gdn." if mode == "gdn" and i in headwise else "")
+                     for i in student.config.gdn_layers)
     if not prefixes:
         raise ValueError("the student has no GDN layers to train; pass --train.train all or a converted model")
     return [n for n in names if n.startswith(prefixes)]

@@ -116,7 +116,8 @@ def plot(result: dict, path: Path) -> None:
         ax2.plot(kv, [mean_niah(r["niah"]) for r in rows], "o-", label=name)
     ax2.axhline(mean_niah(t["niah"]), color="k", ls="--", label="teacher")
     ax1.set(xlabel="KV cache kept (fraction of the teacher's)", ylabel="held-out PPL / teacher's", yscale="log")
-    ax2.set(xlabel="KV cache kept (fraction of the teacher's)", ylabel="NIAH accuracy (mean over cells)", ylim=(0, 1.05))
+    ax2.set(xlabel="KV cache kept (fraction of the teacher's)", ylabel="NIAH accuracy (mean over cells)",
+            ylim=(0, 1.05))
     ax2.legend(fontsize=8)
     fig.suptitle(f"{result['teacher_name']}: conversions (zero-shot, and after an end-to-end phase)")
     fig.tight_layout()

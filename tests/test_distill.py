@@ -217,3 +217,18 @@ def test_chunked_kl_equals_plain_kl_value_and_gradient(tau, dtype):
     assert (gc - gp).norm() <= tol * gp.norm(), ((gc - gp).norm(), gp.norm())
     with torch.no_grad():  # no gradient wanted: the buffer is not even allocated, the value is the same
         assert chunked_kl(s0, t, tau, chunk=5).item() == pytest.approx(lp.item(), rel=1e-5)
+
+
+def test_train_gdn_freezes_the_kept_attention_of_head_wise_layers():
+    from conftest import tiny_teacher
+
+    from taylor_calibrate import GDNConfig, convert_teacher
+    from taylor_calibrate.distill import trainable_names
+
+    hybrid = convert_teacher(tiny_teacher("llama"), [1, 2, 3], GDNConfig(), kept_groups={1: [0], 2: [1]})
+    mixers, gdn = set(trainable_names(hybrid, "mixers")), set(trainable_names(hybrid, "gdn"))
+    kept_attention = {n for n in mixers
+                      if n.startswith(("model.layers.1.self_attn.attn.", "model.layers.2.self_attn.attn."))}
+    assert kept_attention and gdn == mixers - kept_attention  # head-wise: only the GDN heads train
+    assert {n for n in gdn if n.startswith("model.layers.3.")} == {n for n in mixers if n.startswith("model.layers.3.")}
+    assert not any(n.startswith("model.layers.0.") for n in mixers)  # a kept layer never trains
