@@ -287,6 +287,12 @@ def _fill(args, values: dict) -> None:
             setattr(args, key, value)
 
 
+def check_niah_tasks(tasks: list[str]) -> None:
+    bad = [t for t in tasks if t not in NIAH_TASKS]
+    if bad:
+        raise ValueError(f"niah_tasks {bad} unknown; choose from {list(NIAH_TASKS)}")
+
+
 def check_batch(eval_batch_size: int) -> None:
     if eval_batch_size < 1:
         raise ValueError(f"--eval_batch_size {eval_batch_size} must be >= 1")
@@ -466,9 +472,7 @@ class EvalArgs:
         check_batch(self.eval_batch_size)
         if self.agreement and not self.teacher:
             raise ValueError("--agreement compares the model with its teacher: pass --teacher too")
-        bad = [t for t in self.niah_tasks if t not in NIAH_TASKS]
-        if bad:
-            raise ValueError(f"niah_tasks {bad} unknown; choose from {list(NIAH_TASKS)}")
+        check_niah_tasks(self.niah_tasks)
         if any(n < 64 for n in self.niah_lengths) or self.niah_samples < 1:
             raise ValueError(f"niah_lengths {self.niah_lengths} must all be >= 64 tokens and niah_samples "
                              f"({self.niah_samples}) >= 1")
@@ -638,9 +642,7 @@ class RecoveryArgs(PipelineArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        bad = [t for t in self.niah_tasks if t not in NIAH_TASKS]
-        if bad:
-            raise ValueError(f"niah_tasks {bad} unknown; choose from {list(NIAH_TASKS)}")
+        check_niah_tasks(self.niah_tasks)
         if self.niah_points < 2:
             raise ValueError(f"niah_points={self.niah_points} must be >= 2 (start and end)")
 
@@ -677,9 +679,7 @@ class TradeoffArgs(PipelineArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        bad = [t for t in self.niah_tasks if t not in NIAH_TASKS]
-        if bad:
-            raise ValueError(f"niah_tasks {bad} unknown; choose from {list(NIAH_TASKS)}")
+        check_niah_tasks(self.niah_tasks)
         if not all(0 < b < 1 for b in [*self.budgets, self.seed_budget]):
             raise ValueError(f"budgets {self.budgets} and seed_budget {self.seed_budget} must be fractions in (0, 1)")
         if self.niah_samples < 1 or self.distill_tokens < 0 or not self.distill:
