@@ -5,6 +5,7 @@ them, and the field docstrings become `--help`.
 """
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -384,6 +385,13 @@ class ConvertArgs(PipelineArgs):
         if self.target == "qwen3_5" and self.policy == "heads":
             raise ValueError("--target qwen3_5 needs whole layers (a Qwen3.5 layer is attention or GDN): use a layer "
                              "policy (uniform, bypass, greedy, kl, retrieval, combined) instead of --policy heads")
+
+
+def convert_args_of(args: PipelineArgs, **changes) -> ConvertArgs:
+    """The `convert` options of one conversion inside another stage (recovery, tradeoff): that stage's shared
+    PipelineArgs (copied, so the conversion's in-place profile filling stays its own) with `changes`."""
+    shared = {f.name: copy.deepcopy(getattr(args, f.name)) for f in fields(PipelineArgs)}
+    return ConvertArgs(**{**shared, **changes})
 
 
 @dataclass

@@ -5,19 +5,20 @@ For each policy and init (baseline `copy`, phase-2-only `align`, ours `taylor+al
 `paper+align`), the same teacher, data, budget and schedule distil the hybrid; held-out loss is measured at fixed
 token counts. Layer policies (uniform, bypass, greedy, layers=...) share one teacher pass (`ablate.build_all`); the
 retrieval-scored ones (`heads`, `retrieval`, and `auto`, resolved as convert resolves it) are built by `convert`
-itself, one student per init, all keeping the teacher's same retrieval heads. Tokens to matched recovery = N / N': N = the budget, whose final held-out loss the baseline reaches;
-N' = the fewest tokens (linearly interpolated between evaluations) at which the candidate reaches that loss.
+itself, one student per init, all keeping the teacher's same retrieval heads. Tokens to matched recovery = N / N':
+N = the budget, whose final held-out loss the baseline reaches; N' = the fewest tokens (linearly interpolated
+between evaluations) at which the candidate reaches that loss.
 
 All runs read the same token shards (<out>/tokens, or --data.source when it is a shard directory) in the same order.
 NIAH retrieval is scored `niah_points` times along each run. Everything is resumable: built mixers and students are
-cached (safetensors), each run has its own directory with distill's atomic checkpoints and its NIAH records, and finished
+cached (safetensors), each run has its own directory with distill's atomic checkpoints and its NIAH records, and
+finished
 runs are kept, so a killed experiment continues where it stopped; `--time_limit_s` stops it cleanly, so a long
 experiment runs as a series of time-limited jobs of one command.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import logging
@@ -31,7 +32,8 @@ from safetensors.torch import load_file, save_file
 
 from taylor_calibrate.ablate import TeacherPass, build_all, check_policies, parse_init
 from taylor_calibrate.checks import check_out
-from taylor_calibrate.config import ConvertArgs, PipelineArgs, RecoveryArgs, apply_profile, apply_train_profile
+from taylor_calibrate.config import (ConvertArgs, RecoveryArgs, apply_profile, apply_train_profile,
+                                     convert_args_of)
 from taylor_calibrate.convert import convert_loaded
 from taylor_calibrate.data import TOKENS_META, TokenSplits, distill_data, is_token_dir
 from taylor_calibrate.distill import distill
@@ -135,12 +137,12 @@ def convert_args(args: RecoveryArgs, policy: str, init: str) -> ConvertArgs:
     init copy without phase 2; align = copy + phase 2). From token shards, convert reads the corpus they were
     written from (tokens.json)."""
     method, aligned = parse_init(init)
-    shared = ConvertArgs(**{f.name: copy.deepcopy(getattr(args, f.name)) for f in dataclasses.fields(PipelineArgs)})
+    conv = convert_args_of(args, policy=policy, init=method, align=aligned)
     if is_token_dir(args.data.source):
         meta = json.loads((Path(args.data.source).expanduser() / TOKENS_META).read_text())
-        shared.data = dataclasses.replace(shared.data, **{k: meta[k] for k in ("source", "text_field", "split",
-                                                                               "heldout_fraction")})
-    return dataclasses.replace(shared, policy=policy, init=method, align=aligned)
+        conv.data = dataclasses.replace(conv.data, **{k: meta[k] for k in ("source", "text_field", "split",
+                                                                           "heldout_fraction")})
+    return conv
 
 
 def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryArgs, cache: Path) -> dict:
@@ -177,7 +179,8 @@ def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryA
 
 
 def load_student(model, args: RecoveryArgs, info: dict, path: Path):
-    """A cached student (build_or_load_students): the teacher with its saved GDN mixers, head-wise as convert built it."""
+    """A cached student (build_or_load_students): the teacher with its saved GDN mixers, head-wise as convert built
+    it."""
     groups = {int(i): g for i, g in info["headwise_kept_groups"].items()}
     mixers = _cached_mixers(model, args, path, groups)
     return convert_teacher(model, info["gdn_layers"], args.gdn, teacher_name=args.teacher, mixers=mixers,

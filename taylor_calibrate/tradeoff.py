@@ -12,18 +12,19 @@ import hashlib
 import json
 import shlex
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from taylor_calibrate.checks import check_out
-from taylor_calibrate.config import ConvertArgs, PipelineArgs, TradeoffArgs, apply_profile, apply_train_profile
+from taylor_calibrate.config import (ConvertArgs, TradeoffArgs, apply_profile, apply_train_profile,
+                                     convert_args_of)
 from taylor_calibrate.convert import convert_loaded
 from taylor_calibrate.data import distill_data, load_splits
 from taylor_calibrate.distill import distill
 from taylor_calibrate.evaluate import perplexity
-from taylor_calibrate.ops import training_backend
+from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.results import record, write_text
 from taylor_calibrate.retrieval import answer_scores, eval_probes, niah_scores, probe_length
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
@@ -54,7 +55,7 @@ def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str
     rows, heldout = distill_data(d.data, teacher.tokenizer, shards, d.train.tokens)
     dtype = next(hybrid.parameters()).dtype
     student = hybrid.float()  # fp32 master weights, as distill wants
-    student.set_backend(training_backend(student.set_backend(d.backend), d.backend, True))
+    student.set_backend(training_backend(resolve_backend(d.backend), d.backend, True))
     rep = distill(student, teacher.model, rows, heldout, d.train, work, resume=False,
                   eval_batch_size=convert_args.eval_batch_size, desc=f"{row['policy']} end-to-end",
                   teacher_spec=convert_args.teacher)
@@ -133,7 +134,7 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
     device = resolve_device(args.device)
     teacher = load_teacher(args.teacher, device, resolve_dtype(args.dtype, device))
     tok = teacher.tokenizer
-    base = ConvertArgs(**{f.name: getattr(args, f.name) for f in fields(PipelineArgs)}, out=str(out / "unused"))
+    base = convert_args_of(args)
     apply_profile(base, device.type)
     length = probe_length(args.logprob_length, teacher.model.config)
     long_probes = eval_probes(tok, length, samples=8, tasks=args.niah_tasks)
