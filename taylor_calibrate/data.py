@@ -138,9 +138,9 @@ def _stdlib_documents() -> list[tuple[str, str]]:
 
 def _pysrc_documents() -> list[tuple[str, str]]:
     """builtin's documents (with builtin's ids, so at the same heldout_fraction each lands on the same side as in
-    builtin: training on pysrc never reads builtin's held-out text) and every source file of the installed packages ("site/<path>": Python,
-    stubs and the C / C++ / CUDA sources and headers they ship, from each site-packages directory in sysconfig / site
-    order; a path seen twice is kept once). Files over _PYSRC_MAX_BYTES (generated tables) are skipped. The file set
+    builtin: training on pysrc never reads builtin's held-out text) and every source file of the installed packages
+    ("site/<path>": Python, stubs and the C / C++ / CUDA sources and headers they ship, from each site-packages
+    directory in sysconfig / site order; a path seen twice is kept once). Files over _PYSRC_MAX_BYTES (generated tables) are skipped. The file set
     is that of the environment that runs the toolkit."""
     import site
 
