@@ -528,6 +528,10 @@ class TrainArgs:
     """Fraction of training rows given a repeated span: a piece of the row's own text copied again later in the row,
     which the teacher predicts by attending back over the gap; trains the retrieval a hybrid keeps (docs/method.md,
     "End-to-end phase"). 0: the corpus windows as they are."""
+    recall_rows: float = 0.0
+    """Fraction of training rows given multi-key recall needles: look-alike "frame key value" spans of the row's own
+    text, one asked again at the end (`data.recall_rows`); trains telling needles apart (docs/method.md,
+    "End-to-end phase"). 0: none."""
     hidden_weight: float = 0.0
     """Weight of the hidden-state MSE (every layer's output, relative to the teacher's mean square)."""
     ce_weight: float = 0.0
@@ -561,8 +565,9 @@ class TrainArgs:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"train option {name}={v} must be >= 1")
-        if not 0 <= self.repeat_spans <= 1:
-            raise ValueError(f"train option repeat_spans={self.repeat_spans} must be a fraction of the rows in [0, 1]")
+        for name in ("repeat_spans", "recall_rows"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"train option {name}={getattr(self, name)} must be a fraction of the rows in [0, 1]")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"train option warmup={self.warmup} must be in [0, 1)")
         if self.lr <= 0 or self.temperature <= 0:

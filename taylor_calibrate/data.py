@@ -568,6 +568,43 @@ def repeat_spans(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed
     return out
 
 
+def recall_rows(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed: int, step: int) -> torch.Tensor:
+    """Rows carrying multi-key recall: in about `fraction` of the rows, k (2 to 6) needles "F K_i V_i" are written
+    over the row's own text, one in each of k equal slots of its first three quarters, and one of them, "F K_j V_j",
+    again in its last quarter. F (a frame, 3-8 tokens), the keys K_i (2-4 tokens) and the values V_i (4-8 tokens) are
+    spans of the row's own text: the needles share their frame and differ in key and value, so predicting V_j at
+    the end means matching K_j among k look-alike needles, what the teacher does by attention and a recurrent state
+    blurs. Built from the training text alone (no template, no evaluation haystack).
+
+    A pure function of (seed, step, window index) per row, as `repeat_spans`; returns a new tensor."""
+    B, T = ids.shape
+    if fraction <= 0 or T < 256:
+        return ids
+    out = ids.clone()
+    for r, w in enumerate(windows.tolist()):
+        key = int(hashlib.sha1(f"recall:{seed}:{step}:{w}".encode()).hexdigest()[:15], 16)
+        g = torch.Generator().manual_seed(key)
+        if torch.rand((), generator=g).item() >= fraction:
+            continue
+        k = int(torch.randint(2, 7, (), generator=g))
+
+        def span(lo: int, hi: int) -> torch.Tensor:
+            n = int(torch.randint(lo, hi + 1, (), generator=g))
+            at = int(torch.randint(0, T - n + 1, (), generator=g))
+            return ids[r, at:at + n]
+
+        frame = span(3, 8)
+        needles = [torch.cat([frame, span(2, 4), span(4, 8)]) for _ in range(k)]
+        slot = (3 * T // 4) // k
+        for i, nd in enumerate(needles):
+            at = i * slot + int(torch.randint(0, slot - len(nd) + 1, (), generator=g))
+            out[r, at:at + len(nd)] = nd
+        nd = needles[int(torch.randint(0, k, (), generator=g))]
+        at = int(torch.randint(3 * T // 4, T - len(nd) + 1, (), generator=g))
+        out[r, at:at + len(nd)] = nd
+    return out
+
+
 def distill_data(spec, tokenizer, default_dir: Path, budget: int, *, main: bool = True,
                  barrier=None) -> tuple[TokenWindows, torch.Tensor]:
     """(training windows, held-out rows) for distillation: from `spec.source` when it is a token-shard directory,

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from taylor_calibrate.config import GDN_TYPE, DistillArgs, TrainArgs, apply_profile, apply_train_profile
 from taylor_calibrate.checks import check_context, check_out
-from taylor_calibrate.data import TokenWindows, distill_data, repeat_spans, step_windows
+from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.export import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend
@@ -526,7 +526,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         sums = {}
         for j in range(accum):
             windows = mine[j * micro:(j + 1) * micro]
-            ids = repeat_spans(rows[windows], windows, args.repeat_spans, args.seed, step).to(device, non_blocking=True)
+            ids = repeat_spans(rows[windows], windows, args.repeat_spans, args.seed, step)
+            ids = recall_rows(ids, windows, args.recall_rows, args.seed, step).to(device, non_blocking=True)
             hidden = args.hidden_weight > 0
             with torch.no_grad(), autocast(device):
                 t_out = teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden)

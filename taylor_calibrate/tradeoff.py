@@ -71,11 +71,13 @@ def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str
 
 
 def label(r: dict) -> str:
-    """A row's name: its policy, its seed when not 0, and for an end-to-end row the phase's repeated-span fraction."""
+    """A row's name: its policy, its seed when not 0, and for an end-to-end row what trains and its row options."""
     name = r["policy"] + (f" (seed {r['seed']})" if r.get("seed") else "")
     if not r["distill_tokens"]:
         return name
-    return f"{name} + end-to-end (repeat_spans {r['distill_args']['train']['repeat_spans']})"
+    t = r["distill_args"]["train"]
+    return (f"{name} + end-to-end (train {t.get('train', 'mixers')}, repeat_spans {t['repeat_spans']}, "
+            f"recall_rows {t.get('recall_rows', 0.0)})")
 
 
 def markdown(result: dict) -> str:

@@ -397,3 +397,39 @@ def test_repeat_spans_copy_earlier_text_later_deterministically():
     assert torch.equal(repeat_spans(ids, windows, 0.0, seed=0, step=1), ids)
     some = [int((repeat_spans(ids, windows, 0.5, seed=0, step=s) != ids).any(1).sum()) for s in range(1, 41)]
     assert 0.3 < sum(some) / (40 * 4) < 0.7  # about the fraction asked
+
+
+def test_recall_rows_write_lookalike_needles_and_ask_one_again():
+    from taylor_calibrate.data import recall_rows
+
+    T = 1024
+    ids = torch.arange(4 * T).reshape(4, T) + 10 ** 6  # every token distinct: written needles are visible
+    windows = torch.tensor([7, 3, 11, 5])
+    out = recall_rows(ids, windows, 1.0, seed=0, step=1)
+    assert torch.equal(ids, torch.arange(4 * T).reshape(4, T) + 10 ** 6)  # input untouched
+    for r in range(4):
+        row = out[r].tolist()
+        changed = (out[r] != ids[r]).nonzero().flatten().tolist()
+        runs, cur = [], [changed[0]]
+        for i in changed[1:]:  # contiguous written runs: the needles
+            if i == cur[-1] + 1:
+                cur.append(i)
+            else:
+                runs.append(cur)
+                cur = [i]
+        runs.append(cur)
+        needles = [row[c[0]:c[-1] + 1] for c in runs]
+        early = [n for c, n in zip(runs, needles) if c[-1] < 3 * T // 4]
+        late = [n for c, n in zip(runs, needles) if c[0] >= 3 * T // 4]
+        assert 2 <= len(early) <= 6 and len(late) == 1
+        assert late[0] in early  # one needle asked again at the end
+        frame = early[0][:3]
+        assert all(n[:3] == frame for n in early)  # a shared frame ...
+        assert len({tuple(n) for n in early}) == len(early)  # ... look-alike, not identical needles
+        assert all(set(n) <= set(ids[r].tolist()) for n in needles)  # spans of the row's own text
+    assert torch.equal(out, recall_rows(ids, windows, 1.0, seed=0, step=1))  # a pure function of its arguments
+    assert not torch.equal(out, recall_rows(ids, windows, 1.0, seed=0, step=2))
+    assert torch.equal(recall_rows(ids[[1]], windows[[1]], 1.0, seed=0, step=1)[0], out[1])  # batch place irrelevant
+    assert torch.equal(recall_rows(ids, windows, 0.0, seed=0, step=1), ids)
+    some = [int((recall_rows(ids, windows, 0.5, seed=0, step=s) != ids).any(1).sum()) for s in range(1, 41)]
+    assert 0.3 < sum(some) / (40 * 4) < 0.7
