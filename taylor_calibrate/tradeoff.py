@@ -105,25 +105,29 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4.5))
     t = result["teacher"]
 
     def mean_niah(niah):
         vals = [v for cells in niah.values() for v in cells.values() if v is not None]
         return sum(vals) / len(vals)
 
-    for name in dict.fromkeys(label(r) for r in result["rows"]):
+    names = list(dict.fromkeys(label(r) for r in result["rows"]))
+    colors = plt.get_cmap("tab20")(range(len(names)))
+    for name, color in zip(names, colors):
         rows = sorted((r for r in result["rows"] if label(r) == name), key=lambda r: r["kv_fraction"])
         kv = [r["kv_fraction"] for r in rows]
-        ax1.plot(kv, [r["ppl"] / t["ppl"] for r in rows], "o-", label=name)
-        ax2.plot(kv, [mean_niah(r["niah"]) for r in rows], "o-", label=name)
+        style = "s" if rows[0]["distill_tokens"] else "o-"  # end-to-end rows: one square each
+        ax1.plot(kv, [r["ppl"] / t["ppl"] for r in rows], style, color=color, label=name)
+        ax2.plot(kv, [mean_niah(r["niah"]) for r in rows], style, color=color)
     ax2.axhline(mean_niah(t["niah"]), color="k", ls="--", label="teacher")
     ax1.set(xlabel="KV cache kept (fraction of the teacher's)", ylabel="held-out PPL / teacher's", yscale="log")
     ax2.set(xlabel="KV cache kept (fraction of the teacher's)", ylabel="NIAH accuracy (mean over cells)",
             ylim=(0, 1.05))
-    ax2.legend(fontsize=8)
+    handles, labels = (a + b for a, b in zip(ax1.get_legend_handles_labels(), ax2.get_legend_handles_labels()))
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.7, 0.5), fontsize=7)
     fig.suptitle(f"{result['teacher_name']}: conversions (zero-shot, and after an end-to-end phase)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.7, 1))
     fig.savefig(path, dpi=120)
 
 
