@@ -82,7 +82,8 @@ def init_distributed(device: torch.device) -> tuple[Dist, torch.device]:
     return d, device
 
 
-def _all_sum(values: list[float], ctx: Dist, device) -> list[float]:
+def all_sum(values: list[float], ctx: Dist, device) -> list[float]:
+    """`values` summed over the processes (as they are in one process)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if ctx.world > 1:
         dist.all_reduce(t)
@@ -237,7 +238,7 @@ def heldout_eval(model, teacher, rows: torch.Tensor, batch_size: int, ctx: Dist,
             nll += F.nll_loss(s_logp, y[j:j + chunk], reduction="sum").item()
             kl += F.kl_div(s_logp, t_logp, log_target=True, reduction="sum").item()
         n += y.numel()
-    nll, kl, n = _all_sum([nll, kl, n], ctx, device)
+    nll, kl, n = all_sum([nll, kl, n], ctx, device)
     model.train(was)
     loss = nll / n
     return {"heldout_loss": loss, "heldout_ppl": math.exp(loss) if loss < 700 else float("inf"), "heldout_kl": kl / n}
@@ -439,7 +440,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     """Train `student` toward `teacher` for `args.tokens` tokens of `rows` (N windows of T tokens: token shards, or
     an (N, T) tensor); returns the run's report.
 
-    `on_step(step, model)` runs (untimed) at step 0 and after every optimizer step (`recovery` scores NIAH there).
+    `on_step(step, student)` runs (untimed) at step 0 and after every optimizer step on every process, with the
+    unwrapped student (`recovery` scores NIAH there).
     Past `deadline` (time.monotonic()) the run checkpoints and returns early, its report marked "stopped_at": the
     same call later resumes it, so a long run fits in a series of time-limited jobs. `teacher_spec` and `data` (what
     the rows were made from) go into the checkpoints' run identity.
@@ -513,7 +515,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     if start == 0:
         evaluate(0)
         if on_step is not None:
-            on_step(0, model)
+            on_step(0, student)
     model.train()
     bar = tqdm(range(start + 1, steps + 1), desc=desc, disable=not ctx.main, unit="step", leave=False)
     clock = Clock(device)
@@ -546,7 +548,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             clock.start()
         if step % args.log_every == 0 or step == steps:
             keys = sorted(sums)
-            vals = _all_sum([float(sums[k]) for k in keys], ctx, device)
+            vals = all_sum([float(sums[k]) for k in keys], ctx, device)
             last = {k: v / ctx.world for k, v in zip(keys, vals)}
             rec = {"step": step, "tokens": step * tokens_per_step, "lr": args.lr * factor,
                    "grad_norm": float(grad_norm), **last}
@@ -563,9 +565,9 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
                 evaluate(step)
         if on_step is not None:
             with clock.paused():
-                on_step(step, model)
+                on_step(step, student)
         stop = deadline is not None and step < steps and (  # every process stops at the same step
-            time.monotonic() > deadline if ctx.world == 1 else _all_sum([time.monotonic() > deadline], ctx, device)[0])
+            time.monotonic() > deadline if ctx.world == 1 else all_sum([time.monotonic() > deadline], ctx, device)[0])
         if step % args.save_every == 0 or step == steps or stop:
             with clock.paused():
                 save_checkpoint(out, step, model, opt, ctx, extra)

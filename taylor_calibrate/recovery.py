@@ -14,7 +14,9 @@ NIAH retrieval is scored `niah_points` times along each run. Everything is resum
 cached (safetensors), each run has its own directory with distill's atomic checkpoints and its NIAH records, and
 finished
 runs are kept, so a killed experiment continues where it stopped; `--time_limit_s` stops it cleanly, so a long
-experiment runs as a series of time-limited jobs of one command.
+experiment runs as a series of time-limited jobs of one command. Under `torchrun --nproc_per_node K` every run trains
+data-parallel (DDP) over the K processes: the first process converts, tokenises and scores NIAH, the others read its
+caches.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from taylor_calibrate.ablate import TeacherPass, build_all, check_policies, parse_init
@@ -36,7 +39,7 @@ from taylor_calibrate.config import (ConvertArgs, RecoveryArgs, apply_profile, a
                                      convert_args_of)
 from taylor_calibrate.convert import convert_loaded
 from taylor_calibrate.data import TOKENS_META, TokenSplits, distill_data, is_token_dir
-from taylor_calibrate.distill import distill
+from taylor_calibrate.distill import Dist, all_sum, distill, init_distributed
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
@@ -299,6 +302,16 @@ def _mean_at(scores: dict | None, n: int) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+@contextlib.contextmanager
+def _main_first(ctx: Dist):
+    """The first process runs the block first (it builds and caches), then the others run it (they read the caches)."""
+    if not ctx.main:
+        dist.barrier()
+    yield
+    if ctx.main and ctx.world > 1:
+        dist.barrier()
+
+
 def run_recovery(args: RecoveryArgs) -> dict:
     """Distil every policy x init on the same data and budget; curves, tokens-to-match table, NIAH along each run."""
     t0 = time.perf_counter()
@@ -306,6 +319,13 @@ def run_recovery(args: RecoveryArgs) -> dict:
     runs = parse_runs(args)
     check_out(args.out, "recovery", overwrite=args.overwrite, inputs={"--teacher": args.teacher})
     device = resolve_device(args.device)
+    ctx, device = init_distributed(device)
+    if ctx.world > 1 and args.train.parallel != "ddp":
+        raise ValueError(f"recovery under torchrun trains with DDP; --train.parallel {args.train.parallel} is not "
+                         "supported here (NIAH along the runs generates on one process); use `distill` for FSDP")
+    if ctx.world > 1:
+        dist.barrier()  # every process has checked --out before the first one writes there
+    say = print if ctx.main else (lambda *a, **k: None)
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.backend)
     profile = apply_profile(args, device.type)
@@ -316,17 +336,19 @@ def run_recovery(args: RecoveryArgs) -> dict:
     model, tokenizer = teacher.model, teacher.tokenizer
     n = model.config.num_hidden_layers
     d = args.data
-    train_rows, heldout = distill_data(d, tokenizer, out / "tokens", args.train.tokens)
+    train_rows, heldout = distill_data(d, tokenizer, out / "tokens", args.train.tokens, main=ctx.main,
+                                       barrier=dist.barrier if ctx.world > 1 else None)
     splits = TokenSplits(calib=train_rows.first(d.calib_seqs), heldout=heldout)  # calibration: the first windows
     policies = list(dict.fromkeys(p for p, _ in runs))
     layer_runs = [(p, i) for p, i in runs if p not in CONVERTED]
     built, align_reports, kept, scores = {}, {}, {}, {}
-    if layer_runs:
-        specs = list(dict.fromkeys(parse_init(i) for _, i in layer_runs))
-        built, align_reports, kept, scores = build_or_load(model, splits, specs,
-                                                           list(dict.fromkeys(p for p, _ in layer_runs)), args,
-                                                           backend, device, out / "mixers")
-    students = build_or_load_students(teacher, runs, args, out / "students")
+    with _main_first(ctx):
+        if layer_runs:
+            specs = list(dict.fromkeys(parse_init(i) for _, i in layer_runs))
+            built, align_reports, kept, scores = build_or_load(model, splits, specs,
+                                                               list(dict.fromkeys(p for p, _ in layer_runs)), args,
+                                                               backend, device, out / "mixers")
+        students = build_or_load_students(teacher, runs, args, out / "students")
     kv_fraction = {p: len(k) / n for p, k in kept.items()}
     kept_groups = {}
     for policy, by_init in students.items():
@@ -336,8 +358,9 @@ def run_recovery(args: RecoveryArgs) -> dict:
 
     teacher_loss = perplexity(model, splits.heldout, args.eval_batch_size, "teacher loss")["nll"]
     teacher_niah_file = out / "teacher_niah.json"
-    if args.niah and not teacher_niah_file.exists():
-        write_json(teacher_niah_file, _niah(model, tokenizer, args, device, "teacher niah"))
+    with _main_first(ctx):
+        if args.niah and not teacher_niah_file.exists():
+            write_json(teacher_niah_file, _niah(model, tokenizer, args, device, "teacher niah"))
     teacher_niah = json.loads(teacher_niah_file.read_text()) if args.niah else None
 
     results: dict[str, dict] = {p: {} for p in policies}
@@ -380,7 +403,8 @@ def run_recovery(args: RecoveryArgs) -> dict:
             results[policy][init] = json.loads(done.read_text())
             speeds.append((results[policy][init]["tokens_per_s"], results[policy][init]["mfu"]))
             continue
-        if deadline is not None and time.monotonic() > deadline and worked:  # each call advances one run at least
+        late = deadline is not None and all_sum([time.monotonic() > deadline], ctx, device)[0] > 0  # all agree
+        if late and worked:  # each call advances one run at least
             complete = False
             break
         worked = True
@@ -399,39 +423,47 @@ def run_recovery(args: RecoveryArgs) -> dict:
         at = set(niah_steps(max(1, math.ceil(args.train.tokens / tokens_per_step)), args.niah_points))
 
         def score_niah(step, m, niah_file=niah_file, at=at, tag=f"{policy}/{init}"):
-            if not args.niah or step not in at or any(r["step"] == step for r in _read_jsonl(niah_file)):
+            if not (ctx.main and args.niah and step in at) or any(r["step"] == step for r in _read_jsonl(niah_file)):
                 return
             rec = {"step": step, "tokens": step * tokens_per_step,
                    "scores": _niah(m, tokenizer, args, device, f"{tag} niah at step {step}")}
             with niah_file.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
 
-        print(f"\nrecovery: {policy} / {init}: {len(converted)} GDN layers ({kv_fraction[policy]:.1%} of the KV cache "
+        say(f"\nrecovery: {policy} / {init}: {len(converted)} GDN layers ({kv_fraction[policy]:.1%} of the KV cache "
               f"kept), {args.train.tokens:,} tokens")
         rep = distill(hybrid, model, train_rows, splits.heldout, args.train, run_dir,
-                      eval_batch_size=args.eval_batch_size, desc=f"{policy}/{init}", on_step=score_niah,
-                      teacher_spec=args.teacher,
-                      deadline=deadline)
+                      eval_batch_size=args.eval_batch_size, ctx=ctx, desc=f"{policy}/{init}", on_step=score_niah,
+                      teacher_spec=args.teacher, deadline=deadline)
         if rep.get("stopped_at") is not None:
             complete = False
-            print(f"recovery: {policy} / {init} stopped at step {rep['stopped_at']} of {rep['steps']} (time limit); "
+            say(f"recovery: {policy} / {init} stopped at step {rep['stopped_at']} of {rep['steps']} (time limit); "
                   "run the same command again to continue")
             break
-        curve = sorted({r["step"]: r for r in _read_jsonl(niah_file)}.values(), key=lambda r: r["step"])
-        res = {"tokens": rep["eval_tokens"], "heldout_loss": rep["heldout_loss"], "heldout_kl": rep["heldout_kl"],
-               "tokens_per_s": rep["tokens_per_s"], "mfu": rep["mfu"], "gdn_layers": converted,
-               "niah": {"start": curve[0]["scores"], "end": curve[-1]["scores"]} if args.niah else None,
-               "niah_curve": [{"tokens": r["tokens"], "scores": r["scores"]} for r in curve] if args.niah else None}
-        write_json(done, res)
-        results[policy][init] = res
-        speeds.append((res["tokens_per_s"], res["mfu"]))
-        summarize()
-        print(f"recovery: {policy} / {init}: held-out loss {res['heldout_loss'][0]:.4f} -> {res['heldout_loss'][-1]:.4f}"
-              f" at {rep['tokens_per_s'] or 0:,.0f} tokens/s")
+        if ctx.main:  # the others wait at the barrier below, so the next run starts from what it wrote
+            curve = sorted({r["step"]: r for r in _read_jsonl(niah_file)}.values(), key=lambda r: r["step"])
+            res = {"tokens": rep["eval_tokens"], "heldout_loss": rep["heldout_loss"], "heldout_kl": rep["heldout_kl"],
+                   "tokens_per_s": rep["tokens_per_s"], "mfu": rep["mfu"], "processes": rep["processes"],
+                   "gdn_layers": converted,
+                   "niah": {"start": curve[0]["scores"], "end": curve[-1]["scores"]} if args.niah else None,
+                   "niah_curve": [{"tokens": r["tokens"], "scores": r["scores"]} for r in curve] if args.niah else None}
+            write_json(done, res)
+            results[policy][init] = res
+            speeds.append((res["tokens_per_s"], res["mfu"]))
+            summarize()
+            first, last = res["heldout_loss"][0], res["heldout_loss"][-1]
+            print(f"recovery: {policy} / {init}: held-out loss {first:.4f} -> {last:.4f} at "
+                  f"{rep['tokens_per_s'] or 0:,.0f} tokens/s")
+        if ctx.world > 1:
+            dist.barrier()
         del hybrid
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    result = summarize()
-    print("\n" + markdown(result))
+    result = summarize() if ctx.main else {}
+    if result:
+        print("\n" + markdown(result))
+    if ctx.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
     return result

@@ -216,3 +216,39 @@ def test_niah_runs_compiled_layers_eagerly(tmp_path, single_thread):
     finally:
         uncompile_layers(hybrid)
     assert set(scores["single"]) == {"512"} and counters["stats"]["unique_graphs"] == 0
+
+
+def test_torchrun_two_processes_follow_one(tmp_path):
+    """recovery under torchrun (2 processes, gloo): every run trains data-parallel and follows the 1-process curves;
+    NIAH is scored once per point (by the first process)."""
+    import os
+    import subprocess
+    import sys
+
+    teacher_dir, corpus = tiny_local_teacher(tmp_path, max_position_embeddings=1024)
+
+    def argv(out):
+        return ["recovery", "--teacher", str(teacher_dir), "--out", str(out), "--keep_every", "2", "--profile", "quick",
+                "--device", "cpu", "--backend", "torch", "--data.source", str(corpus), "--data.seq_len", "32",
+                "--data.calib_seqs", "4", "--data.eval_seqs", "2", "--eval_batch_size", "2", "--phase2.steps", "3",
+                "--phase2.batch_size", "2", "--train.tokens", str(4 * 4 * 32), "--train.batch_size", "4",
+                "--train.lr", "1e-2", "--train.eval_every", "2", "--policies", "[uniform]",
+                "--inits", "[copy,taylor+align]", "--extra", "[]", "--niah_tasks", "[passkey]",
+                "--niah_lengths", "[512]", "--niah_samples", "1", "--niah_points", "3"]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = subprocess.run([sys.executable, "-m", "taylor_calibrate", *argv(one)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                        "taylor_calibrate", *argv(two)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    a, b = (json.loads((o / "recovery.json").read_text()) for o in (one, two))
+    assert b["complete"] and "tokens_to_match" in b["policies"]["uniform"]
+    for init in ("copy", "taylor+align"):
+        x, y = a["policies"]["uniform"][init], b["policies"]["uniform"][init]
+        assert y["tokens"] == x["tokens"]
+        assert y["heldout_loss"] == pytest.approx(x["heldout_loss"], rel=1e-4), init
+        assert len(y["niah_curve"]) == 3  # steps 0, 2, 4: once each, not once per process
+        assert (x["processes"], y["processes"]) == (1, 2)

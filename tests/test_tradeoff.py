@@ -50,4 +50,5 @@ def test_end_to_end_phase_adds_a_distilled_row(tmp_path):
     assert e2e["ppl"] != zero["ppl"] and len(e2e["distill"]["heldout_loss"]) >= 2  # trained, measured on the same text
     assert plain["distill_args"]["train"]["repeat_spans"] == 0 and plain["ppl"] != e2e["ppl"]  # each from zero-shot
     assert e2e["niah"]["passkey"]["512"] is not None
-    assert "| heads + end-to-end (train mixers, repeat_spans 0.5, recall_rows 0.0) | head |" in (out / "tradeoff.md").read_text()
+    md = (out / "tradeoff.md").read_text()
+    assert "| heads + end-to-end (train mixers, repeat_spans 0.5, recall_rows 0.0) | head |" in md
