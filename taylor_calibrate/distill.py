@@ -31,6 +31,7 @@ import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -73,13 +74,14 @@ def init_distributed(device: torch.device) -> tuple[Dist, torch.device]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Dist(), device
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    d = Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
-        torch.cuda.set_device(d.local_rank)
-        device = torch.device("cuda", d.local_rank)
-    return d, device
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before the group forms, so its collectives know their GPU
+    if not dist.is_initialized():
+        # the other processes wait while the first one tokenises or converts (minutes to hours for a large teacher)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=3))
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank), device
 
 
 def all_sum(values: list[float], ctx: Dist, device) -> list[float]:
