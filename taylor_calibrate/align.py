@@ -510,25 +510,37 @@ class RopedAttention(nn.Module):
         return self.attn(x, position_embeddings=self.rotary(x, pos), attention_mask=None)[0], None
 
 
+def qk_norm_groups(a: nn.Module, args: AlignArgs) -> list[dict]:
+    """Kept attention given q/k RMSNorm (`--target qwen3_5`): q_proj and k_proj at `lr_qkv`, the norms at `lr`."""
+    return [{"params": [p for mod in (a.q_proj, a.k_proj) for p in mod.parameters()], "lr": args.lr_qkv},
+            {"params": [a.q_norm.weight, a.k_norm.weight], "lr": args.lr}]
+
+
+def projection_groups(a: nn.Module, args: AlignArgs) -> list[dict]:
+    """Kept attention re-aligned to hybrid inputs: q/k/v projections at `lr_qkv`, o_proj at `lr_o`."""
+    return [{"params": [p for mod in (a.q_proj, a.k_proj, a.v_proj) for p in mod.parameters()], "lr": args.lr_qkv},
+            {"params": list(a.o_proj.parameters()), "lr": args.lr_o}]
+
+
 def align_attention(attns: dict[int, RopedAttention], inputs: dict[int, Tensor], targets: dict[int, Tensor],
-                    args: AlignArgs, *, eval_rows: int = 4) -> dict:
-    """Phase 2 for kept attention layers whose form changed (`convert --target qwen3_5` adds q/k RMSNorm): each layer is
-    trained, teacher-forced, to reproduce the teacher's attention output from the teacher's input, with phase 2's
-    rows, schedule, sink weighting, clipping and best-state rule (a layer never ends worse than it started on the
-    eval rows). Trained: q_proj and k_proj at `lr_qkv`, q_norm and k_norm at `lr`; the values and o_proj stay."""
+                    args: AlignArgs, *, eval_rows: int = 4, param_groups=qk_norm_groups,
+                    desc: str = "align attention") -> dict:
+    """Phase 2 for kept attention: each layer is trained to map `inputs` to `targets` with phase 2's rows, schedule,
+    sink weighting, clipping and best-state rule (a layer never ends worse than it started on the eval rows).
+    `param_groups(attn, args)` says what trains at which rate; the rest stays. Used for kept layers whose form
+    changed (`--target qwen3_5` adds q/k RMSNorm; teacher-forced) and by `realign_kept` (hybrid inputs)."""
     layers = sorted(attns)
     n_rows = _check_data(attns, inputs, targets)
     n_eval, batch = min(n_rows, eval_rows), min(args.batch_size, n_rows)
     idx = batch_indices(n_rows, batch, args.steps, args.seed)
     crop = slice(None) if args.seq_len is None else slice(0, args.seq_len)
     report = {}
-    for l in tqdm(layers, desc="align attention", leave=False):
+    for l in tqdm(layers, desc=desc, leave=False):
         m, x, y = attns[l], inputs[l], targets[l]
         a = m.attn
         dtype, device = a.q_proj.weight.dtype, a.q_proj.weight.device
         a.float().eval()  # fp32 master weights; cast back at the end
-        groups = [{"params": [p for mod in (a.q_proj, a.k_proj) for p in mod.parameters()], "lr": args.lr_qkv},
-                  {"params": [a.q_norm.weight, a.k_norm.weight], "lr": args.lr}]
+        groups = [{**g, "base_lr": g["lr"]} for g in param_groups(a, args)]
         trained = [p for g in groups for p in g["params"]]
         for p in a.parameters():
             p.requires_grad_(False)
@@ -548,8 +560,8 @@ def align_attention(attns: dict[int, RopedAttention], inputs: dict[int, Tensor],
             loss.backward()
             if args.grad_clip > 0:
                 nn.utils.clip_grad_norm_(trained, args.grad_clip)
-            for g, base in zip(opt.param_groups, (args.lr_qkv, args.lr)):
-                g["lr"] = base * lr_factor(step, args)
+            for g in opt.param_groups:
+                g["lr"] = g["base_lr"] * lr_factor(step, args)
             opt.step()
             if step % args.log_every == 0 or step == args.steps:
                 r = rel_mse(m, x[:n_eval], y[:n_eval], batch)
@@ -569,3 +581,46 @@ def align_attention(attns: dict[int, RopedAttention], inputs: dict[int, Tensor],
                          best_step=best_step)
     return {"layers": report, "mean_rel_mse_before": sum(r["rel_mse_before"] for r in report.values()) / len(layers),
             "mean_rel_mse_after": sum(r["rel_mse_after"] for r in report.values()) / len(layers)}
+
+
+def kept_attention(hybrid) -> dict[int, nn.Module]:
+    """{layer: its kept softmax attention}: the whole mixer of an attention layer, the attention part of a head-wise
+    one."""
+    gdn = set(hybrid.config.gdn_layers)
+    return {i: layer.self_attn.attn if i in gdn else layer.self_attn for i, layer in enumerate(hybrid.model.layers)
+            if i not in gdn or hybrid.config.kept_groups(i)}
+
+
+@torch.no_grad()
+def mixer_inputs(model, rows: Tensor, layers, batch_size: int) -> dict[int, Tensor]:
+    """What each of `layers`' token mixers receives when `model` reads `rows` (N, T), on the rows' device."""
+    from taylor_calibrate.stats import capturing_inputs
+
+    caught = {i: [] for i in layers}
+    device = next(model.parameters()).device
+    with capturing_inputs(model, caught, rows.device):
+        for i in range(0, rows.shape[0], batch_size):
+            model(input_ids=rows[i:i + batch_size].to(device), use_cache=False, logits_to_keep=1)
+    return {i: torch.cat(c) for i, c in caught.items()}
+
+
+def realign_kept(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size: int = 4) -> dict:
+    """Re-align the hybrid's kept attention to the inputs the hybrid gives it (`--phase2.kept_attention`).
+
+    Teacher forcing trains each GDN layer on the teacher's inputs; in the hybrid, every kept attention head after the
+    first GDN layer reads a residual stream that the GDN layers before it have moved. Each kept attention module is
+    trained (`align_attention`, q/k/v at `lr_qkv`, o_proj at `lr_o`) to produce from the hybrid's inputs what it
+    produced from the teacher's. Inputs are read in one pass of each model over `rows` before any module moves."""
+    attns = kept_attention(hybrid)
+    layers = sorted(attns)
+    x_teacher = mixer_inputs(teacher, rows, layers, batch_size)
+    x_hybrid = mixer_inputs(hybrid, rows, layers, batch_size)
+    roped = {i: RopedAttention(m, hybrid.model.rotary_emb) for i, m in attns.items()}
+    targets = {}
+    with torch.no_grad():
+        for i, m in roped.items():
+            p = next(m.parameters())
+            targets[i] = torch.cat([m(x.to(p.device))[0].to(rows.device)
+                                    for x in x_teacher.pop(i).split(batch_size)])
+    return align_attention(roped, x_hybrid, targets, args, param_groups=projection_groups,
+                           desc="realign kept attention")

@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from taylor_calibrate.align import RopedAttention, align_attention, align_layers
+from taylor_calibrate.align import RopedAttention, align_attention, align_layers, realign_kept
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.config import ConvertArgs, apply_profile
@@ -198,6 +198,11 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     hybrid = convert_teacher(form, converted, args.gdn, teacher_name=args.teacher, mixers=mixers,
                              kept_groups=headwise)
     hybrid.set_backend(backend)
+    p2_kept = None
+    if args.align and args.phase2.kept_attention:
+        t = time.perf_counter()
+        p2_kept = realign_kept(hybrid, teacher.model, splits.calib, args.phase2, args.eval_batch_size)
+        times["realign_s"] = time.perf_counter() - t
     diverged = {i: r["diverged_at"] for i, r in (p2 or {}).get("layers", {}).items()
                 if r.get("diverged_at") is not None}
     fix = "nothing was saved; lower the phase-2 learning rates (--phase2.lr, --phase2.lr_qkv) or check the options"
@@ -232,6 +237,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         "phase2": p2,
         "target": args.target,
         "phase2_attention": p2_attention,
+        "phase2_kept_attention": p2_kept,
         "qk_norm_spare_pairs": qk_pairs,
         "teacher_params": _count(teacher.model),
         "hybrid_params": _count(hybrid),
@@ -267,6 +273,10 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     if p2_attention is not None:
         a = p2_attention
         rows.append(("kept attention + q/k norm, rel-MSE", f"{a['mean_rel_mse_before']:.3f} -> {a['mean_rel_mse_after']:.3f}"))
+    if p2_kept is not None:
+        a = p2_kept
+        rows.append(("kept attention on hybrid inputs, rel-MSE",
+                     f"{a['mean_rel_mse_before']:.3f} -> {a['mean_rel_mse_after']:.3f}"))
     print_table(rows + [
         ("eval / calib tokens", f"{hybrid_eval['tokens']} / {report['calib_tokens']} ({profile} profile)"),
         ("params teacher / hybrid", f"{report['teacher_params'] / 1e6:.1f}M / {report['hybrid_params'] / 1e6:.1f}M"),

@@ -386,3 +386,27 @@ def test_staging_delivers_exactly_the_indexed_rows(device):
     for a, b in zip(got, want):
         assert a.device.type == device and a.dtype == b.dtype
         assert torch.equal(a.cpu(), b)
+
+
+def test_realign_kept_fits_kept_attention_to_hybrid_inputs():
+    """--phase2.kept_attention: each kept attention module (a whole attention layer, a head-wise layer's kept heads)
+    learns to give from the hybrid's inputs what it gave from the teacher's; the teacher and the GDN heads stay."""
+    from taylor_calibrate.align import kept_attention, mixer_inputs, realign_kept
+
+    teacher = tiny_teacher("llama")
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    hybrid = convert_teacher(teacher, [0, 1, 2], GDNConfig(), kept_groups={1: [0], 2: [1]})  # layer 3 stays whole
+    attns = kept_attention(hybrid)
+    assert sorted(attns) == [1, 2, 3] and attns[3] is hybrid.model.layers[3].self_attn
+    assert attns[1] is hybrid.model.layers[1].self_attn.attn
+    gdn = {k: v.clone() for k, v in hybrid.model.layers[1].self_attn.gdn.state_dict().items()}
+    rows = torch.randint(0, teacher.config.vocab_size, (N, T), generator=torch.Generator().manual_seed(0))
+    x_t, x_h = mixer_inputs(teacher, rows, [3], 2)[3], mixer_inputs(hybrid, rows, [3], 2)[3]
+    assert not torch.allclose(x_t, x_h)  # the GDN layers before it moved the kept layer's inputs
+    report = realign_kept(hybrid, teacher, rows, AlignArgs(**FAST))
+    assert sorted(report["layers"]) == [1, 2, 3]
+    for l, r in report["layers"].items():
+        assert r["rel_mse_after"] <= r["rel_mse_before"], l  # the best-state rule: never worse on the eval rows
+    assert report["mean_rel_mse_after"] < 0.8 * report["mean_rel_mse_before"]
+    assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())  # the teacher is untouched
+    assert all(torch.equal(gdn[k], v) for k, v in hybrid.model.layers[1].self_attn.gdn.state_dict().items())
