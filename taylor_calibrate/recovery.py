@@ -98,12 +98,11 @@ def _save_mixers(mixers: dict, path: Path) -> None:
     tmp.replace(path)
 
 
-def _cached_mixers(model, args, path: Path, kept_groups: dict[int, list[int]] | None = None):
-    """Mixers saved in `path` (the layers it holds): copy-only modules (head-wise ones for `kept_groups`), then the
-    saved state."""
+def _cached_mixers(model, args, path: Path):
+    """Mixers saved in `path` (the layers it holds): copy-only modules, then the saved state."""
     state = load_file(str(path), device=str(next(model.parameters()).device))
     layers = sorted({int(k.split(".", 1)[0]) for k in state})
-    mixers = make_mixers(model, layers, args.gdn, args.seed, kept_groups)
+    mixers = make_mixers(model, layers, args.gdn, args.seed)
     for i, m in mixers.items():
         m.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == str(i)})
     return mixers
@@ -157,7 +156,7 @@ def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryA
     for policy, init in runs:
         if policy not in CONVERTED:
             continue
-        weights, meta = cache / f"{policy}__{init}.safetensors", cache / f"{policy}__{init}.json"
+        weights, meta = student_file(cache, policy, init), cache / f"{policy}__{init}.json"
         if meta.exists() and weights.exists():
             log.info("recovery: student %s / %s from %s", policy, init, weights)
             info = json.loads(meta.read_text())
@@ -165,7 +164,10 @@ def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryA
             print(f"\nrecovery: converting the {policy} / {init} student")
             report, hybrid = convert_loaded(convert_args(args, policy, init), teacher, save=False, return_model=True)
             cache.mkdir(parents=True, exist_ok=True)
-            _save_mixers(hybrid.gdn_mixers, weights)
+            tmp = weights.with_suffix(".tmp")  # every token mixer: GDN ones and the kept attention phase 2 re-aligned
+            save_file({k: v.detach().contiguous() for k, v in hybrid.state_dict().items() if ".self_attn." in k},
+                      str(tmp))
+            tmp.replace(weights)
             info = {k: report[k] for k in STUDENT_KEYS}
             write_json(meta, info)
             del hybrid
@@ -181,13 +183,22 @@ def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryA
     return students
 
 
+def student_file(cache: Path, policy: str, init: str) -> Path:
+    return cache / f"{policy}__{init}.mixers.safetensors"
+
+
 def load_student(model, args: RecoveryArgs, info: dict, path: Path):
-    """A cached student (build_or_load_students): the teacher with its saved GDN mixers, head-wise as convert built
-    it."""
+    """A cached student (build_or_load_students): the teacher, head-wise as convert built it, with its saved token
+    mixers (GDN and kept attention)."""
     groups = {int(i): g for i, g in info["headwise_kept_groups"].items()}
-    mixers = _cached_mixers(model, args, path, groups)
-    return convert_teacher(model, info["gdn_layers"], args.gdn, teacher_name=args.teacher, mixers=mixers,
-                           kept_groups=groups)
+    hybrid = convert_teacher(model, info["gdn_layers"], args.gdn, teacher_name=args.teacher, seed=args.seed,
+                             kept_groups=groups)
+    state = load_file(str(path), device=str(next(model.parameters()).device))
+    missing, unexpected = hybrid.load_state_dict(state, strict=False)
+    bad = unexpected + [k for k in missing if ".self_attn." in k]
+    if bad:
+        raise RuntimeError(f"{path} does not fit the student it was saved for ({bad[:3]}): delete it and run again")
+    return hybrid
 
 
 def _eager():
@@ -411,7 +422,7 @@ def run_recovery(args: RecoveryArgs) -> dict:
         if policy in students:
             converted = students[policy][init]["gdn_layers"]
             hybrid = load_student(model, args, students[policy][init],
-                                  out / "students" / f"{policy}__{init}.safetensors").float()
+                                  student_file(out / "students", policy, init)).float()
         else:
             converted = gdn_layers(kept[policy], n)
             hybrid = convert_teacher(model, converted, args.gdn, teacher_name=args.teacher,
