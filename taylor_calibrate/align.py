@@ -610,7 +610,9 @@ def realign_kept(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size: int
     Teacher forcing trains each GDN layer on the teacher's inputs; in the hybrid, every kept attention head after the
     first GDN layer reads a residual stream that the GDN layers before it have moved. Each kept attention module is
     trained (`align_attention`, q/k/v at `lr_qkv`, o_proj at `lr_o`) to produce from the hybrid's inputs what it
-    produced from the teacher's. Inputs are read in one pass of each model over `rows` before any module moves."""
+    produced from the teacher's. Inputs are read in one pass of each model over `rows` (cropped to `args.seq_len`
+    when set: causal models give the same inputs to the positions kept) before any module moves."""
+    rows = rows if args.seq_len is None else rows[:, :args.seq_len]
     attns = kept_attention(hybrid)
     layers = sorted(attns)
     x_teacher = mixer_inputs(teacher, rows, layers, batch_size)
