@@ -577,7 +577,7 @@ def recall_rows(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed:
     blurs. Built from the training text alone (no template, no evaluation haystack).
 
     A pure function of (seed, step, window index) per row, as `repeat_spans`; returns a new tensor."""
-    B, T = ids.shape
+    T = ids.shape[1]
     if fraction <= 0 or T < 256:
         return ids
     out = ids.clone()
