@@ -217,10 +217,11 @@ class AlignArgs:
     layer_group: int | None = None
     """Layers trained together in one stacked forward/backward (None: all; fewer bounds activation memory). The
     result does not depend on it."""
-    kept_attention: bool = True
+    kept_attention: bool = False
     """Then re-align the kept softmax attention (whole attention layers and the kept heads of head-wise ones) to the
     inputs the hybrid gives it: trained so that from the hybrid's inputs it reproduces what it computed from the
-    teacher's (docs/method.md, "Phase 2: alignment"; docs/decisions.md, "kept attention on hybrid inputs")."""
+    teacher's. Off by default: it lowers perplexity but costs retrieval at long context (docs/decisions.md, "kept
+    attention on hybrid inputs")."""
     seed: int = 0
     """Seed of the row order."""
     log_every: int = 50

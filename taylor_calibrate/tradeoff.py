@@ -71,13 +71,16 @@ def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str
 
 
 def label(r: dict) -> str:
-    """A row's name: its policy, its seed when not 0, and for an end-to-end row what trains and its row options."""
+    """A row's name: its policy, its seed when not 0, whether the kept attention was re-aligned, and for an end-to-end
+    row its training flags (the `--train.*` part of its distill flags)."""
     name = r["policy"] + (f" (seed {r['seed']})" if r.get("seed") else "")
+    name += " + kept attention re-aligned" if r.get("phase2_kept_attention") else ""
     if not r["distill_tokens"]:
         return name
-    t = r["distill_args"]["train"]
-    return (f"{name} + end-to-end (train {t.get('train', 'mixers')}, repeat_spans {t['repeat_spans']}, "
-            f"recall_rows {t.get('recall_rows', 0.0)})")
+    toks = shlex.split(r["distill_flags"])
+    train = " ".join(t if "=" in t or i + 1 == len(toks) or toks[i + 1].startswith("--") else f"{t} {toks[i + 1]}"
+                     for i, t in enumerate(toks) if t.startswith("--train."))
+    return f"{name} + end-to-end ({train or 'defaults'})"
 
 
 def markdown(result: dict) -> str:
@@ -160,6 +163,7 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
         row = {"policy": policy, "granularity": "head" if policy == "heads" else "layer", "kv_budget": budget,
                "kv_fraction": report["kv_fraction"], "ppl": report["hybrid_ppl"], "distill_tokens": 0, "seed": seed,
                "kept_layers": report["kept_layers"], "headwise_kept_groups": report["headwise_kept_groups"],
+               "phase2_kept_attention": report["phase2_kept_attention"] is not None,
                "answer_logprob": answer_scores(hybrid, long_probes)["logprob"],
                "probe_retrieval": report["retrieval"]["hybrid"] if report["retrieval"] else None,
                "niah": _niah(hybrid, tok, args), "convert_s": report["wall_s"]}

@@ -40,8 +40,7 @@ def test_convert_report(converted):
     assert report["kv_fraction"] == -(-kv // 4) / kv and report["headwise_kept_groups"]
     assert set(report["layer_types"]) <= {"full_attention", "linear_attention", "hybrid"}
     assert report["retrieval"]["hybrid"]["acc"] is not None
-    kept = sorted(set(report["kept_layers"]) | {int(i) for i in report["headwise_kept_groups"]})
-    assert sorted(int(i) for i in report["phase2_kept_attention"]["layers"]) == kept  # re-aligned on hybrid inputs
+    assert report["phase2_kept_attention"] is None  # off by default (docs/decisions.md); test_align tests it
     assert 1 < report["teacher_ppl"] < 100, "the real teacher should model Python source well"
     assert report["teacher_ppl"] < report["hybrid_ppl"] < float("inf")
 

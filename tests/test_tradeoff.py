@@ -51,4 +51,6 @@ def test_end_to_end_phase_adds_a_distilled_row(tmp_path):
     assert plain["distill_args"]["train"]["repeat_spans"] == 0 and plain["ppl"] != e2e["ppl"]  # each from zero-shot
     assert e2e["niah"]["passkey"]["512"] is not None
     md = (out / "tradeoff.md").read_text()
-    assert "| heads + end-to-end (train mixers, repeat_spans 0.5, recall_rows 0.0) | head |" in md
+    assert "| heads + end-to-end (--train.batch_size 4 --train.lr 1e-3 --train.repeat_spans 0.5) | head |" in md  # named by its --train flags
+    assert "| heads + end-to-end (--train.batch_size 4 --train.lr 1e-3) | head |" in md
+    assert not zero["phase2_kept_attention"]
