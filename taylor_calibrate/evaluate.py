@@ -44,13 +44,25 @@ def perplexity(model, tokens: torch.Tensor, batch_size: int = 4, desc: str = "ev
     total, count = 0.0, 0
     for i in tqdm(range(0, tokens.shape[0], batch_size), desc=desc, leave=False):
         ids = tokens[i:i + batch_size].to(device)
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
-        total += nll.item()
+        total += nll_sum(model(input_ids=ids, use_cache=False).logits, ids)
         count += ids[:, 1:].numel()
     model.train(was_training)
     nll = total / count
     return {"ppl": math.exp(nll) if nll < 700 else float("inf"), "nll": nll, "tokens": count}
+
+
+@torch.no_grad()
+def nll_sum(logits: torch.Tensor, ids: torch.Tensor, chunk: int = 1024) -> float:
+    """Summed next-token negative log-likelihood of rows `ids` (B, T) under their `logits` (B, T, V), in nats: position
+    t predicts ids[:, t + 1]. `chunk` positions at a time go to fp32, so a batch of long rows never needs an fp32 copy
+    of all its logits."""
+    total = logits.new_zeros((), dtype=torch.float32)
+    n = ids.shape[1] - 1  # positions that predict a token
+    for row, target in zip(logits, ids):
+        for j in range(0, n, chunk):
+            end = min(j + chunk, n)
+            total += F.cross_entropy(row[j:end].float(), target[j + 1:end + 1], reduction="sum")
+    return total.item()
 
 
 @torch.no_grad()

@@ -10,12 +10,21 @@ import torch.nn.functional as F
 
 from taylor_calibrate.cli import main
 from taylor_calibrate.config import GDNConfig
-from taylor_calibrate.evaluate import agreement, import_lm_eval, lm_eval_tasks
+from taylor_calibrate.evaluate import agreement, import_lm_eval, lm_eval_tasks, nll_sum
 from taylor_calibrate.export import save_hybrid
 from taylor_calibrate.model.hybrid import convert_teacher
 from conftest import tiny_teacher
 
 ASSETS = str(Path(__file__).parent / "assets")
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1024])
+def test_nll_sum_in_chunks_equals_the_plain_cross_entropy(chunk):
+    """perplexity's chunked fp32 NLL equals one cross entropy over every position's fp32 logits, from bf16 logits."""
+    torch.manual_seed(0)
+    logits, ids = torch.randn(3, 12, 50).to(torch.bfloat16), torch.randint(0, 50, (3, 12))
+    plain = F.cross_entropy(logits[:, :-1].float().reshape(-1, 50), ids[:, 1:].reshape(-1), reduction="sum")
+    assert nll_sum(logits, ids, chunk=chunk) == pytest.approx(plain.item(), rel=1e-5)
 
 
 def test_agreement_of_a_model_with_itself_and_a_perturbed_copy(single_thread):
