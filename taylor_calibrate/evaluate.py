@@ -8,6 +8,7 @@ The same rows score teacher and hybrid, so their figures compare directly.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -20,10 +21,13 @@ from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.config import EvalArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.export import REPORT, load_model
-from taylor_calibrate.results import record
+from taylor_calibrate.results import record, write_text
 from taylor_calibrate.ops import resolve_backend
-from taylor_calibrate.retrieval import niah_scores
+from taylor_calibrate.retrieval import distractor_rates, niah_scores
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+
+NIAH_ANSWERS = "niah_answers.jsonl"
+"""`eval --niah`: every prompt's answer (model and teacher), and whether it was right or a distractor's."""
 
 
 def check_finite_eval(results: dict[str, float], fix: str) -> None:
@@ -209,12 +213,18 @@ def run_eval(args: EvalArgs) -> dict:
         niah = dict(tasks=args.niah_tasks, lengths=args.niah_lengths, samples=args.niah_samples, seed=args.niah_seed,
                     batch_size=args.eval_batch_size)
         t = time.perf_counter()
-        report["niah"] = niah_scores(model, tokenizer, **niah, desc="model niah")
+        answers = {"model": []}
+        report["niah"] = niah_scores(model, tokenizer, **niah, desc="model niah", answers=answers["model"])
         times["niah_s"] = time.perf_counter() - t
         if teacher is not None:
             t = time.perf_counter()
-            report["teacher_niah"] = niah_scores(teacher.model, tokenizer, **niah, desc="teacher niah")
+            answers["teacher"] = []
+            report["teacher_niah"] = niah_scores(teacher.model, tokenizer, **niah, desc="teacher niah",
+                                                 answers=answers["teacher"])
             times["teacher_niah_s"] = time.perf_counter() - t
+        report["niah_distractor"] = {who: distractor_rates(a) for who, a in answers.items()}
+        write_text(out / NIAH_ANSWERS, "".join(json.dumps({"model": who, **r}) + "\n"
+                                              for who, a in answers.items() for r in a))
     if args.lm_eval_tasks:
         t = time.perf_counter()
         report["lm_eval"] = lm_eval_tasks(model, tokenizer, args.lm_eval_tasks, args.lm_eval_include,

@@ -62,6 +62,7 @@ class Sample:
     answer: str  # the string the continuation must contain
     depth: float  # intended depth of the asked needle in the haystack, in [0, 1]
     needle: str  # the asked needle sentence, as it appears in the prompt
+    distractors: tuple[str, ...] = ()  # the other needles' answers (multikey): saying one is confusing the keys
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,11 +112,12 @@ def _key(rng: random.Random) -> str:
 
 
 def _build(task: str, rng: random.Random, depth: float):
-    """(prompt template taking the context, needles with depths, answer, asked needle) for one sample."""
+    """(prompt template taking the context, needles with depths, answer, asked needle, distractors' answers) for one
+    sample."""
     if task == "passkey":
         key = str(rng.randint(10_000, 99_999))
         needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-        return _PASSKEY_INTRO + "{context}" + _PASSKEY_QUESTION, [(depth, needle)], key, needle
+        return _PASSKEY_INTRO + "{context}" + _PASSKEY_QUESTION, [(depth, needle)], key, needle, ()
     keys = [_key(rng)]
     while len(keys) < (MULTIKEY_NEEDLES if task == "multikey" else 1):
         k = _key(rng)
@@ -125,7 +127,7 @@ def _build(task: str, rng: random.Random, depth: float):
     needles = [f"The special magic number for {k} is: {v}." for k, v in zip(keys, numbers)]
     placed = [(depth, needles[0])] + [(rng.random(), s) for s in needles[1:]]  # distractors anywhere
     template = _MAGIC_INTRO + "{context}" + _MAGIC_QUESTION.replace("{key}", keys[0])
-    return template, placed, numbers[0], needles[0]
+    return template, placed, numbers[0], needles[0], tuple(numbers[1:])
 
 
 def _num_tokens(tokenizer, text: str) -> int:
@@ -166,7 +168,7 @@ def make_sample(task: str, tokenizer, length: int, depth: float, rng: random.Ran
     if task not in TASKS:
         raise ValueError(f"unknown NIAH task {task!r}; choose from {TASKS}")
     budget = length - max_new_tokens
-    template, needles, answer, needle = _build(task, rng, depth)
+    template, needles, answer, needle, distractors = _build(task, rng, depth)
     fixed = _num_tokens(tokenizer, template.format(context=" ".join(n for _, n in needles)))
     if fixed > budget:
         raise ValueError(f"NIAH length {length} is too short: the {task} question and needles alone take {fixed} "
@@ -174,7 +176,8 @@ def make_sample(task: str, tokenizer, length: int, depth: float, rng: random.Ran
     n = most_that_fit(lambda n: _num_tokens(tokenizer, template.format(context=_insert(_haystack(task, n, words),
                                                                                               needles))), budget, fixed)
     prompt = template.format(context=_insert(_haystack(task, n, words), needles))
-    return Sample(task=task, length=length, prompt=prompt, answer=answer, depth=depth, needle=needle)
+    return Sample(task=task, length=length, prompt=prompt, answer=answer, depth=depth, needle=needle,
+                  distractors=distractors)
 
 
 def depths(samples: int) -> list[float]:
@@ -216,15 +219,33 @@ def generate_continuations(model, tokenizer, prompts: list[str], max_new_tokens:
 
 
 def accuracy(model, tokenizer, samples: list[Sample], max_new_tokens: int = 16, batch_size: int = 1,
-             progress=None) -> float:
-    """Fraction of samples whose greedy continuation contains the answer."""
+             progress=None, answers: list | None = None) -> float:
+    """Fraction of samples whose greedy continuation contains the answer. `answers`, when given, gets one record per
+    sample: what it asked, what the model said, and whether that was right or a distractor's answer."""
     texts = generate_continuations(model, tokenizer, [s.prompt for s in samples], max_new_tokens, batch_size, progress)
-    return sum(s.answer in t for s, t in zip(samples, texts)) / len(samples)
+    right = [s.answer in t for s, t in zip(samples, texts)]
+    if answers is not None:
+        for s, t, r in zip(samples, texts, right):
+            confused = (not r and any(d in t for d in s.distractors)) if s.distractors else None
+            answers.append({"task": s.task, "length": s.length, "depth": s.depth, "answer": s.answer, "output": t,
+                            "right": r, "distractor": confused})
+    return sum(right) / len(samples)
+
+
+def distractor_rates(answers: list[dict]) -> dict:
+    """{task: {str(length): fraction of its samples answered with a distractor's answer}} for the tasks that have
+    distractors (multikey): how much of the lost accuracy is confusing the keys rather than failing to retrieve."""
+    cells: dict = {}
+    for a in answers:
+        if a["distractor"] is not None:
+            cells.setdefault(a["task"], {}).setdefault(str(a["length"]), []).append(a["distractor"])
+    return {t: {n: sum(v) / len(v) for n, v in by_len.items()} for t, by_len in cells.items()}
 
 
 def niah_scores(model, tokenizer, tasks=TASKS, lengths=LENGTHS, samples: int = 20, seed: int = 0,
-                batch_size: int = 1, max_new_tokens: int = 16, desc: str = "niah") -> dict:
+                batch_size: int = 1, max_new_tokens: int = 16, desc: str = "niah", answers: list | None = None) -> dict:
     """{task: {str(length): accuracy}}; a length beyond the model's max_position_embeddings is None (logged).
+    `answers`: see `accuracy`.
 
     The same (tasks, lengths, samples, seed) and tokenizer give the same prompts, so teacher and hybrid are scored
     on identical samples."""
@@ -244,7 +265,7 @@ def niah_scores(model, tokenizer, tasks=TASKS, lengths=LENGTHS, samples: int = 2
     with tqdm(total=len(cells) * samples, desc=desc, leave=False) as bar:
         for (task, n), batch in cells.items():
             bar.set_postfix_str(f"{task} {n}")
-            scores[task][str(n)] = accuracy(model, tokenizer, batch, max_new_tokens, batch_size, bar)
+            scores[task][str(n)] = accuracy(model, tokenizer, batch, max_new_tokens, batch_size, bar, answers)
     model.train(was_training)
     return scores
 

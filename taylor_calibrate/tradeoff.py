@@ -26,15 +26,20 @@ from taylor_calibrate.distill import distill
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.results import record, write_text
-from taylor_calibrate.retrieval import answer_scores, eval_probes, niah_scores, probe_length
+from taylor_calibrate.retrieval import answer_scores, distractor_rates, eval_probes, niah_scores, probe_length
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 RESULT = "tradeoff.json"
 
 
-def _niah(model, tokenizer, args: TradeoffArgs) -> dict:
-    return niah_scores(model, tokenizer, tasks=args.niah_tasks, lengths=args.niah_lengths, samples=args.niah_samples,
-                       seed=args.niah_seed, batch_size=args.eval_batch_size)
+def _niah(model, tokenizer, args: TradeoffArgs, name: str) -> dict:
+    """{"niah": accuracies, "niah_distractor": multikey's key confusions}; every answer to <out>/answers/<name>.jsonl."""
+    answers = []
+    scores = niah_scores(model, tokenizer, tasks=args.niah_tasks, lengths=args.niah_lengths,
+                         samples=args.niah_samples, seed=args.niah_seed, batch_size=args.eval_batch_size,
+                         answers=answers)
+    write_text(Path(args.out) / "answers" / f"{name}.jsonl", "".join(json.dumps(a) + "\n" for a in answers))
+    return {"niah": scores, "niah_distractor": distractor_rates(answers)}
 
 
 def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str, tag: str,
@@ -149,7 +154,7 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
     long_probes = eval_probes(tok, length, samples=8, tasks=args.niah_tasks)
     result = {"teacher_name": args.teacher, "niah_tasks": args.niah_tasks, "niah_lengths": args.niah_lengths,
               "logprob_length": length,
-              "teacher": {"niah": _niah(teacher.model, tok, args),
+              "teacher": {**_niah(teacher.model, tok, args, "teacher"),
                           "answer_logprob": answer_scores(teacher.model, long_probes)["logprob"]},
               "rows": []}
     runs = [(p, b, 0) for b in args.budgets for p in args.policies]
@@ -166,7 +171,7 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
                "phase2_kept_attention": report["phase2_kept_attention"] is not None,
                "answer_logprob": answer_scores(hybrid, long_probes)["logprob"],
                "probe_retrieval": report["retrieval"]["hybrid"] if report["retrieval"] else None,
-               "niah": _niah(hybrid, tok, args), "convert_s": report["wall_s"]}
+               **_niah(hybrid, tok, args, f"row{len(result['rows'])}"), "convert_s": report["wall_s"]}
         row["row_s"] = time.perf_counter() - t
         result["rows"].append(row)
         result = record(out / RESULT, result, args)
@@ -174,7 +179,7 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
             t = time.perf_counter()
             e2e, tuned = end_to_end(copy.deepcopy(hybrid), teacher, row, conv, flags, str(k), args, device)
             e2e.update(answer_logprob=answer_scores(tuned, long_probes)["logprob"], probe_retrieval=None,
-                       niah=_niah(tuned, tok, args), row_s=time.perf_counter() - t)
+                       **_niah(tuned, tok, args, f"row{len(result['rows'])}"), row_s=time.perf_counter() - t)
             result["rows"].append(e2e)
             result = record(out / RESULT, result, args)
             del tuned

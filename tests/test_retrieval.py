@@ -5,8 +5,8 @@ import re
 import pytest
 import torch
 
-from taylor_calibrate.retrieval import (TASKS, accuracy, generate_continuations, make_sample, make_samples,
-                                        niah_scores, tolerance)
+from taylor_calibrate.retrieval import (TASKS, accuracy, distractor_rates, generate_continuations, make_sample,
+                                        make_samples, niah_scores, tolerance)
 from conftest import tiny_teacher
 
 
@@ -59,13 +59,14 @@ def test_too_short_length_is_a_clear_error(smollm2_tokenizer):
 
 
 class StubLM(torch.nn.Module):
-    """Answers every prompt by reading the asked needle out of it (oracle) or with a wrong number."""
+    """Answers every prompt by reading the asked needle out of it (oracle), with a wrong number, or (`confuse`) with
+    another key's number where there is one."""
 
-    def __init__(self, tokenizer, right: bool, max_positions: int = 4096):
+    def __init__(self, tokenizer, right: bool, max_positions: int = 4096, confuse: bool = False):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
         self.config = type("Config", (), {"max_position_embeddings": max_positions})()
-        self.tok, self.right, self.calls = tokenizer, right, []
+        self.tok, self.right, self.confuse, self.calls = tokenizer, right, confuse, []
 
     def generate(self, input_ids, attention_mask, max_new_tokens, **kw):
         self.calls.append(tuple(input_ids.shape))
@@ -76,6 +77,9 @@ class StubLM(torch.nn.Module):
             key = re.search(r"magic number for (\S+) mentioned", text)
             pattern = rf"magic number for {key.group(1)} is: (\d+)\." if key else r"The pass key is (\d+)\."
             answer = re.search(pattern, text).group(1) if self.right else "0000000"
+            others = [n for k, n in re.findall(r"magic number for (\S+) is: (\d+)\.", text) if key and k != key.group(1)]
+            if self.confuse and others:
+                answer = others[0]
             new = self.tok(f" {answer}.", add_special_tokens=False)["input_ids"][:max_new_tokens]
             rows.append(new + [kw["pad_token_id"]] * (max_new_tokens - len(new)))
         return torch.cat([input_ids, torch.tensor(rows)], 1)
@@ -88,6 +92,19 @@ def test_scores_one_for_right_answers_zero_for_wrong(smollm2_tokenizer):
         want = 1.0 if right else 0.0
         assert scores == {t: {"512": want, "1024": want, "2048": None} for t in TASKS}, scores
         assert [b for b, _ in stub.calls] == [2, 1] * 6, "3 samples per cell in batches of 2"
+
+
+@pytest.mark.parametrize("right, confuse, rate", [(True, False, 0.0), (False, False, 0.0), (False, True, 1.0)])
+def test_answers_record_every_reply_and_multikey_key_confusions(smollm2_tokenizer, right, confuse, rate):
+    """A wrong answer that is another needle's number counts as a key confusion; only multikey has distractors."""
+    stub = StubLM(smollm2_tokenizer, right, confuse=confuse)
+    answers = []
+    scores = niah_scores(stub, smollm2_tokenizer, lengths=(512,), samples=2, answers=answers)
+    assert len(answers) == 3 * 2 and all(a["right"] == right for a in answers)
+    assert all((a["answer"] in a["output"]) == right for a in answers)  # the reply as the model gave it
+    assert [a["distractor"] is None for a in answers] == [t != "multikey" for t in TASKS for _ in range(2)]
+    assert distractor_rates(answers) == {"multikey": {"512": rate}}
+    assert scores["multikey"]["512"] == float(right)
 
 
 def test_batched_generation_equals_one_by_one(smollm2_tokenizer, single_thread):

@@ -26,6 +26,8 @@ def test_tiny_run(tmp_path):
     assert [r["policy"] for r in res["rows"]] == ["uniform", "heads"]
     assert all(r["kv_fraction"] <= 0.3 and r["niah"]["passkey"]["512"] is not None for r in res["rows"])
     assert res["rows"][1]["granularity"] == "head" and res["teacher"]["niah"]["passkey"]["512"] is not None
+    for name in ("teacher", *(f"row{i}" for i in range(len(res["rows"])))):  # every reply kept for inspection
+        assert len((out / "answers" / f"{name}.jsonl").read_text().splitlines()) == 1
     assert {"commit", "dirty", "args", "env", "command"} <= set(res)
     assert (out / "tradeoff.md").exists() and (out / "tradeoff.png").exists()
     # a rerun into the same --out is allowed (an earlier tradeoff output); a foreign non-empty dir is not
