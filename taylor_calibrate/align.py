@@ -143,8 +143,9 @@ def _check_data(mixers, inputs, targets) -> int:
 
 
 def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], targets: dict[int, Tensor],
-                 args: AlignArgs, *, eval_rows: int | None = None) -> dict:
-    """Train every mixer (in place) to reproduce its layer's teacher attention output; returns the report
+                 args: AlignArgs, *, eval_rows: int | None = None, weights: dict[int, Tensor] | None = None) -> dict:
+    """Train every mixer (in place) to reproduce its layer's teacher attention output; `weights`: optional (N, T)
+    loss weights of each layer's positions (stats.far_weights). Returns the report
 
         {"layers": {l: {"rel_mse_before", "rel_mse_after", "best_step", "diverged_at", "best_eval_rel_mse",
                         "best_train_loss", "best_train_step", "trained_params"}},
@@ -159,6 +160,10 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
     t_start = time.perf_counter()
     layers = sorted(mixers)
     n_rows = _check_data(mixers, inputs, targets)
+    bad = [l for l in layers if weights is not None and (l not in weights or weights[l].shape != inputs[l].shape[:2])]
+    if bad:
+        raise ValueError(f"align_layers: position weights must be (rows, positions) like each layer's inputs; layers "
+                         f"{bad} have none or another shape")
     n_eval = min(n_rows, 4 if eval_rows is None else eval_rows)
     if n_eval < 1:
         raise ValueError(f"align_layers: eval_rows={eval_rows} must be >= 1")
@@ -174,7 +179,8 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
     saved_dtype = {l: [(p, p.dtype) for p in mixers[l].parameters()] for l in layers}
     train = None
     try:
-        st = {l: _LayerState(l, mixers[l], inputs[l], targets[l], n_eval, batch, args) for l in layers}
+        st = {l: _LayerState(l, mixers[l], inputs[l], targets[l], n_eval, batch, args,
+                             None if weights is None else weights[l]) for l in layers}
         train = _Training(list(st.values()), args)
         before = {l: st[l].evaluate(0) for l in layers}
         bar = tqdm(range(1, args.steps + 1), desc="align", leave=False, disable=args.steps == 0)
@@ -258,8 +264,8 @@ class _LayerState:
     """One layer's trained parameters, evaluation rows, best state and divergence record."""
 
     def __init__(self, layer: int, mixer: GatedDeltaNet, x: Tensor, y: Tensor, n_eval: int, batch: int,
-                 args: AlignArgs):
-        self.layer, self.mixer, self.x, self.y = layer, mixer, x, y
+                 args: AlignArgs, w: Tensor | None = None):
+        self.layer, self.mixer, self.x, self.y, self.w = layer, mixer, x, y, w
         self.eval_x, self.eval_y, self.eval_batch = x[:n_eval], y[:n_eval], batch
         for p in mixer.parameters():
             p.requires_grad_(False)
@@ -273,9 +279,11 @@ class _LayerState:
         self.active, self.diverged_at = bool(self.params) and args.steps > 0, None
         self.best_eval, self.best_step, self.best_state, self.current = float("inf"), 0, None, float("nan")
 
-    def batch(self, rows: Tensor, crop: slice, staging: "_Staging") -> tuple[Tensor, Tensor]:
-        """This step's rows (`rows` on the stored data's device) as fp32 on the layer's device."""
-        return staging(self.x, rows, crop, self.device).float(), staging(self.y, rows, crop, self.device).float()
+    def batch(self, rows: Tensor, crop: slice, staging: "_Staging") -> tuple[Tensor, Tensor, Tensor | None]:
+        """This step's rows (`rows` on the stored data's device) as fp32 on the layer's device, and their position
+        weights if the layer has them."""
+        w = None if self.w is None else staging(self.w, rows, crop, self.device).float()
+        return staging(self.x, rows, crop, self.device).float(), staging(self.y, rows, crop, self.device).float(), w
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float:
@@ -356,9 +364,9 @@ class _Stack:
     def trained(self) -> dict[str, torch.Tensor]:
         return {n: t for n, t in self.leaves.items() if t.requires_grad}
 
-    def losses(self, xs: Tensor, ys: Tensor, sink_weight: float = 1.0) -> Tensor:
+    def losses(self, xs: Tensor, ys: Tensor, sink_weight: float = 1.0, ws: Tensor | None = None) -> Tensor:
         """Per-layer MSE (L,) of the stacked layers on inputs / targets (L, B, T, hidden); position 0 weighs
-        `sink_weight` positions (AlignArgs.sink_weight)."""
+        `sink_weight` positions (AlignArgs.sink_weight); `ws` (L, B, T): each position's weight (far_weights)."""
         params = {f"mixer.{n}": t for n, t in self.leaves.items()}
         L, B = xs.shape[:2]
         self.mixer.train()
@@ -366,7 +374,8 @@ class _Stack:
         o, _ = gated_delta_rule(*(t.flatten(0, 1) for t in feats), scale=self.mixer.head_dim ** -0.5,
                                 backend=self.mixer.backend)  # q, k, v, g, beta: layers along the batch
         outs = torch.vmap(lambda p, x, o: functional_call(self.output, p, (x, o)))(params, xs, o.unflatten(0, (L, B)))
-        per_pos = (outs.float() - ys).pow(2).mean((1, 3))  # (L, T)
+        err = (outs.float() - ys).pow(2).mean(3)  # (L, B, T)
+        per_pos = (err if ws is None else err * ws).mean(1)  # (L, T)
         return (per_pos.sum(1) + (sink_weight - 1.0) * per_pos[:, 0]) / (per_pos.shape[1] + sink_weight - 1.0)
 
     @torch.no_grad()
@@ -448,7 +457,9 @@ class _Training:
         rows_on = {d: rows.to(d) for d in {s.x.device for s in st.states}}
         data = [s.batch(rows_on[s.x.device], crop, self.staging) for s in st.states]
         with autocast(self.device):
-            losses = st.losses(torch.stack([x for x, _ in data]), torch.stack([y for _, y in data]), self.sink_weight)
+            ws = None if data[0][2] is None else torch.stack([w for _, _, w in data])
+            losses = st.losses(torch.stack([x for x, _, _ in data]), torch.stack([y for _, y, _ in data]),
+                               self.sink_weight, ws)
         losses.sum().backward()  # layer l's parameters only see loss l
         norms = st.clip_(self.max_norm)
         losses = losses.detach()

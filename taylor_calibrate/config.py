@@ -214,6 +214,10 @@ class AlignArgs:
     """Weight of each row's first position in the loss, in positions (1 = a plain mean over positions). The first
     token is where later layers' heads park their attention (the sink): an error there moves every later token
     (docs/decisions.md, "first position in the loss")."""
+    far_weight: float = 0.0
+    """Weight each position's loss by 1 + far_weight x the teacher's attention mass there on keys 16 or more tokens
+    back (sink excluded), averaged over the heads that become GDN, rescaled to mean 1 (`stats.far_weights`): the fit
+    leans toward where the teacher reaches far back. 0: off (docs/decisions.md, "far-reaching positions")."""
     layer_group: int | None = None
     """Layers trained together in one stacked forward/backward (None: all; fewer bounds activation memory). The
     result does not depend on it."""
@@ -241,6 +245,8 @@ class AlignArgs:
             raise ValueError(f"align option decay_fraction={self.decay_fraction} must be in (0, 1]")
         if self.sink_weight < 0:
             raise ValueError(f"align option sink_weight={self.sink_weight} must be >= 0")
+        if self.far_weight < 0:
+            raise ValueError(f"align option far_weight={self.far_weight} must be >= 0 (0 turns it off)")
         if self.lr_qkv is not None and self.lr_qkv < 0:
             raise ValueError(f"align option lr_qkv={self.lr_qkv} must be >= 0 or None (from --profile)")
         if self.lr_dynamics is not None and self.lr_dynamics < 0:

@@ -24,7 +24,8 @@ from taylor_calibrate.policy import (ON_HYBRIDS, RETRIEVAL, SCORED, bypass_score
                                      greedy_scores, group_scores, kept_groups_of, kept_layers, kl_scores, layer_groups)
 from taylor_calibrate.qwen3_5 import check_qwen3_form, qwen3_form, start_qk_norm, target_gdn
 from taylor_calibrate.retrieval import answer_scores, calibration_probes, eval_probes, probe_length
-from taylor_calibrate.stats import attention_targets, collect_stats, retrieval_heads, store_device_for
+from taylor_calibrate.stats import (attention_targets, collect_stats, far_weights, retrieval_heads,
+                                    store_device_for)
 from taylor_calibrate.teacher import Teacher, load_teacher, resolve_device, resolve_dtype
 
 log = logging.getLogger("taylor_calibrate")
@@ -150,7 +151,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     if args.init != "copy" or args.align or hybrids or adapt:
         store = store_device_for(teacher.model, *splits.calib.shape, stored, device)
         stats = collect_stats(teacher.model, splits.calib, store_layers=stored, batch_size=args.eval_batch_size,
-                              store_device=store)
+                              store_device=store, store_far=args.align and args.phase2.far_weight > 0)
     times["stats_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -171,6 +172,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     if stats is not None:  # greedy / kl stored every layer's rows; phase 2 reads only the converted ones
         for i in set(candidates) - set(converted) - set(kept if adapt else []):
             del stats.inputs[i], stats.head_outputs[i]
+            stats.far_mass.pop(i, None)
     times["phase1_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -179,7 +181,9 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         for m in mixers.values():
             m.backend = train_backend
         targets = attention_targets(teacher.model, stats, converted, release=True, kept_groups=headwise)
-        p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets, args.phase2)
+        weights = far_weights(teacher.model, stats, converted, args.phase2.far_weight, headwise) \
+            if args.phase2.far_weight else None
+        p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets, args.phase2, weights=weights)
     times["phase2_s"] = time.perf_counter() - t
 
     t = time.perf_counter()

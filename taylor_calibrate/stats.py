@@ -60,6 +60,7 @@ class TeacherStats:
     layers: dict[int, LayerStats]
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # (N, T, hidden): attention input of layer l
     head_outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # (N, T, H*D): sum_s p_ts v_s per head
+    far_mass: dict[int, torch.Tensor] = field(default_factory=dict)  # (N, T, H): p_t of keys >= BAND back, sink out
     tokens: int = 0
 
 
@@ -75,7 +76,7 @@ class _Collector:
     handful of tensor ops: the per-query quantities are stacked into one (9 + 2 BAND, B, H, T) tensor and summed in one go,
     position constants are cached per length, and the sums stay on the device until `finish` reads them all at once."""
 
-    def __init__(self, store_layers, block, store_device, backend="auto"):
+    def __init__(self, store_layers, block, store_device, backend="auto", store_far=False):
         self.sums: dict[int, torch.Tensor] = {}  # (9 + 2 BAND, H) float64 per layer: `_MEANS`, band, band_nosink
         self.counts: dict[int, torch.Tensor] = {}
         self.windows: dict[int, int | None] = {}
@@ -83,6 +84,7 @@ class _Collector:
         self.backend = backend
         self.inputs: dict[int, list] = {i: [] for i in store_layers}
         self.head_outputs: dict[int, list] = {i: [] for i in store_layers}
+        self.far_mass: dict[int, list] = {i: [] for i in store_layers} if store_far else {}
         self._consts: dict[tuple, torch.Tensor] = {}
 
     def inverse_log_keys(self, T, window, device) -> torch.Tensor:
@@ -134,6 +136,10 @@ class _Collector:
         self.windows[idx] = window
         if idx in self.store_layers:
             self.head_outputs[idx].append(out.reshape(*out.shape[:2], -1).detach().to(self.store_device))
+        if idx in self.far_mass:  # the mass neither the band (offsets < BAND) nor, beyond it, the sink takes
+            beyond = torch.arange(query.shape[2], device=query.device) >= BAND  # key 0 is outside the band
+            far = 1 - band.sum(0) - st["sink"] * beyond
+            self.far_mass[idx].append(far.clamp(0, 1).transpose(1, 2).float().to(self.store_device))
 
     def finish(self) -> dict[int, LayerStats]:
         if not self.sums:
@@ -211,17 +217,19 @@ def _collecting(model, collector):
 @torch.no_grad()
 def collect_stats(model, tokens: torch.Tensor, *, store_layers=(), batch_size: int = 4, block: int = 256,
                   store_device: str | torch.device = "cpu", desc: str = "teacher statistics",
-                  backend: str = "auto") -> TeacherStats:
-    """One teacher pass over `tokens` (N, T): statistics for every layer; inputs and head outputs for `store_layers`.
-    `backend` picks the per-query statistics kernel (ops.STATS_BACKENDS)."""
-    collector = _Collector(store_layers, block, store_device, backend)
+                  backend: str = "auto", store_far: bool = False) -> TeacherStats:
+    """One teacher pass over `tokens` (N, T): statistics for every layer; inputs and head outputs for `store_layers`,
+    and with `store_far` each query's far attention mass there (`far_weights`). `backend` picks the per-query
+    statistics kernel (ops.STATS_BACKENDS)."""
+    collector = _Collector(store_layers, block, store_device, backend, store_far)
     device = next(model.parameters()).device
     with _collecting(model, collector):
         for i in tqdm(range(0, tokens.shape[0], batch_size), desc=desc, leave=False):
             # logits of the last position only: the pass needs the layers, not a (T x vocab) logits tensor
             model(input_ids=tokens[i:i + batch_size].to(device), use_cache=False, logits_to_keep=1)
     return TeacherStats(layers=collector.finish(), inputs=_joined(collector.inputs),
-                        head_outputs=_joined(collector.head_outputs), tokens=tokens.numel())
+                        head_outputs=_joined(collector.head_outputs), far_mass=_joined(collector.far_mass),
+                        tokens=tokens.numel())
 
 
 def _joined(chunks: dict[int, list]) -> dict[int, torch.Tensor]:
@@ -262,6 +270,28 @@ def attention_targets(teacher, stats: TeacherStats, layers, release: bool = Fals
         else:
             w = o_proj.weight[:, cols.to(o_proj.weight.device)]
             out[i] = torch.nn.functional.linear(y[..., cols.to(y.device)].to(w), w).to(y.device)
+    return out
+
+
+def far_weights(teacher, stats: TeacherStats, layers, far_weight: float,
+                kept_groups: dict[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
+    """Phase 2's position weights (N, T) per layer (`--phase2.far_weight`): 1 + far_weight x the mean far mass of the
+    layer's heads that become GDN at that position (attention on keys at least BAND back, not the sink), scaled to
+    mean 1 over each layer's positions 1..T-1 (position 0 is the sink's, weighted by sink_weight). The positions
+    where the teacher reaches far back are the ones a recurrent state finds hardest: this makes phase 2 spend more
+    of its fit there."""
+    from taylor_calibrate.model.hybrid import converted_heads
+
+    out = {}
+    for i in layers:
+        far = stats.far_mass[i]
+        kept = (kept_groups or {}).get(i)
+        if kept:
+            far = far[..., torch.tensor(converted_heads(teacher.config, kept), device=far.device)]
+        w = 1 + far_weight * far.mean(-1)
+        w = w / w[:, 1:].mean()
+        w[:, 0] = 1.0
+        out[i] = w
     return out
 
 

@@ -163,12 +163,12 @@ def test_nan_guard_mid_run_keeps_the_best_state_so_far(teacher_data, monkeypatch
     batch = align._LayerState.batch
 
     def poisoned(self, rows, crop, staging):
-        x, y = batch(self, rows, crop, staging)
+        x, y, w = batch(self, rows, crop, staging)
         if self.layer == 2:
             calls["n"] += 1
             if calls["n"] == 13:
                 y = y * float("nan")
-        return x, y
+        return x, y, w
 
     monkeypatch.setattr(align._LayerState, "batch", poisoned)
     report = align_layers(mixers, inputs, targets, AlignArgs(**{**FAST, "steps": 30, "log_every": 5}))
@@ -250,19 +250,23 @@ def test_stacked_layers_train_as_if_alone(teacher_data, monkeypatch):
     assert counts[1] - counts[None] == 12 * (len(LAYERS) - 1)  # one recurrence call per step instead of one per layer
 
 
-# the defaults, and the plain mean over positions at a constant rate
-@pytest.mark.parametrize("sink_weight,schedule", [(64.0, "wsd"), (1.0, "constant")])
-def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight, schedule):
+# the defaults, the plain mean over positions at a constant rate, and position weights (--phase2.far_weight)
+@pytest.mark.parametrize("sink_weight,schedule,weighted", [(64.0, "wsd", False), (1.0, "constant", False),
+                                                           (64.0, "wsd", True)])
+def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight, schedule, weighted):
     """The vmapped stack (all layers' projections, convs and gates batched; parameters as slices of one tensor; clipping
     per layer) computes what a plain loop does for each layer alone: mixer forward, MSE with the first position
-    weighted `sink_weight`, clip_grad_norm_, AdamW under the schedule (the defaults: wsd, sink weight 64)."""
+    weighted `sink_weight` (and each row's positions by their weights), clip_grad_norm_, AdamW under the schedule
+    (the defaults: wsd, sink weight 64)."""
     from taylor_calibrate.align import trained_parameters
 
     teacher, inputs, targets = teacher_data
     args = AlignArgs(**{**FAST, "steps": 5, "log_every": 5, "grad_clip": 0.05,  # a small clip: it acts
                         "sink_weight": sink_weight, "schedule": schedule})
+    gen = torch.Generator().manual_seed(1)
+    weights = {l: torch.rand(x.shape[:2], generator=gen) * 3 for l, x in inputs.items()} if weighted else None
     stacked = fresh_mixers(teacher)
-    report = align_layers(stacked, inputs, targets, args)
+    report = align_layers(stacked, inputs, targets, args, weights=weights)
     plain = fresh_mixers(teacher)
     rows = batch_indices(N, args.batch_size, args.steps, args.seed)
     lrs = {"new": args.lr, "qkv": args.lr_qkv, "o_proj": args.lr_o, "dynamics": args.lr_dynamics}
@@ -279,7 +283,8 @@ def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight, sche
         for step, r in enumerate(rows, 1):
             for g, k in zip(opt.param_groups, groups):
                 g["lr"] = lrs[k] * lr_factor(step, args)
-            err = (m(inputs[l][r])[0] - targets[l][r]).pow(2).mean((0, 2))  # per position
+            err = (m(inputs[l][r])[0] - targets[l][r]).pow(2).mean(2)  # per row and position
+            err = (err * weights[l][r] if weighted else err).mean(0)  # per position
             loss = (err * w).sum() / w.sum()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, args.grad_clip)

@@ -1,5 +1,6 @@
 """End to end on the embedded real teacher (SmolLM2-135M GGUF): CLI convert, report, reload, eval."""
 import json
+import math
 import re
 
 import pytest
@@ -164,3 +165,23 @@ def test_policy_auto_keeps_retrieval_heads_or_falls_back(tmp_path, max_pos, targ
     assert report["policy"] == want and report["policy_auto"] and report["args"]["policy"] == want
     assert report["kv_fraction"] <= 0.3
     assert (want == "uniform") == any("retrieval probes do not fit" in r.message for r in caplog.records)
+
+
+def test_far_weight_reaches_phase_2_of_a_head_wise_conversion(tmp_path):
+    """--phase2.far_weight: the statistics pass keeps the far attention mass of the converted layers, and phase 2
+    weighs its positions with it (a different fit than the plain mean from the same start)."""
+    from conftest import one_thread, tiny_local_teacher
+
+    teacher, corpus = tiny_local_teacher(tmp_path, max_position_embeddings=1024)
+    losses = {}
+    for far in (0.0, 4.0):
+        out = tmp_path / f"far{far}"
+        with one_thread():
+            assert main(["convert", "--teacher", str(teacher), "--out", str(out), "--device", "cpu",
+                         "--data.source", str(corpus), "--data.seq_len", "64", "--data.calib_seqs", "4",
+                         "--data.eval_seqs", "2", "--phase2.steps", "3", "--phase2.batch_size", "2",
+                         "--probe_samples", "1", "--phase2.far_weight", str(far)]) == 0
+        report = json.loads((out / "report.json").read_text())
+        assert report["policy"] == "heads" and report["args"]["phase2"]["far_weight"] == far
+        losses[far] = [r["best_train_loss"] for r in report["phase2"]["layers"].values()]
+    assert all(math.isfinite(a) and a != b for a, b in zip(losses[0.0], losses[4.0]))

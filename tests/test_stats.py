@@ -337,6 +337,31 @@ def test_stored_inputs_and_head_outputs(observed):
         torch.testing.assert_close(targets[i], captured[i], rtol=1e-4, atol=1e-5)
 
 
+def test_far_mass_is_the_attention_on_keys_a_band_or_more_back_but_the_sink(observed):
+    """store_far: per query and head, the teacher's attention on keys at least BAND back, key 0 (the sink) excluded;
+    far_weights turns the GDN heads' mean into position weights of mean 1 (position 0: 1)."""
+    from taylor_calibrate.model.hybrid import converted_heads
+    from taylor_calibrate.stats import far_weights
+
+    model, ids, _, attentions, _ = observed
+    with one_thread():
+        stats = collect_stats(model, ids, store_layers=[1, 3], batch_size=2, block=16, store_far=True)
+    t, s = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    far_keys = (t - s >= BAND) & (s > 0)
+    for i in (1, 3):
+        want = (attentions[i] * far_keys).sum(-1).transpose(1, 2)  # (N, T, H)
+        torch.testing.assert_close(stats.far_mass[i], want, rtol=1e-4, atol=1e-5)
+        window = stats.layers[i].window
+        assert want[:, BAND + 1:].max() > 0.1 or window <= BAND  # real far attention, unless a window forbids it
+    kept = {3: [0]}  # layer 3 keeps KV group 0: its weights come from the other heads only
+    w = far_weights(model, stats, [1, 3], 2.0, kept)
+    for i in (1, 3):
+        heads = converted_heads(model.config, kept[i]) if i in kept else list(range(model.config.num_attention_heads))
+        raw = 1 + 2.0 * stats.far_mass[i][..., heads].mean(-1)
+        torch.testing.assert_close(w[i][:, 1:], raw[:, 1:] / raw[:, 1:].mean())
+        assert (w[i][:, 0] == 1).all()
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_teacher_is_unchanged(impl):
     """Same logits during and after the statistics pass; attention implementation and hooks restored."""
