@@ -69,6 +69,20 @@ def test_distill_learns_and_reports(assets):
             assert torch.equal(v, after[k]), f"frozen {k} changed"
 
 
+def test_hidden_state_and_cross_entropy_terms_add_to_the_loss(assets):
+    """--train.hidden_weight / --train.ce_weight: each step's loss is kl + w_h x hidden-state rel-MSE + w_ce x CE,
+    every part finite and positive (the hybrid's hidden states differ from the teacher's past its first GDN layer)."""
+    root, _, corpus = assets
+    out = root / "parts"
+    with one_thread():
+        assert main(_argv(root, corpus, out, 2, "--train.hidden_weight", "2.0", "--train.ce_weight", "0.5")) == 0
+    train = [r for r in _records(out) if "kl" in r]
+    assert len(train) == 2
+    for r in train:
+        assert r["hidden_mse"] > 0 and r["ce"] > 0 and r["kl"] > 0
+        assert r["loss"] == pytest.approx(r["kl"] + 2.0 * r["hidden_mse"] + 0.5 * r["ce"], rel=1e-5)
+
+
 def _run(argv, env_extra=None, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.Popen([sys.executable, "-m", "taylor_calibrate", *argv], env=env, stdout=subprocess.PIPE,
