@@ -217,7 +217,7 @@ class AlignArgs:
     far_weight: float = 0.0
     """Weight each position's loss by 1 + far_weight x the teacher's attention mass there on keys 16 or more tokens
     back (sink excluded), averaged over the heads that become GDN, rescaled to mean 1 (`stats.far_weights`): the fit
-    leans toward where the teacher reaches far back. 0: off (docs/decisions.md, "far-reaching positions")."""
+    leans toward where the teacher reaches far back. 0: off (docs/decisions.md, "far-reaching positions in the loss")."""
     layer_group: int | None = None
     """Layers trained together in one stacked forward/backward (None: all; fewer bounds activation memory). The
     result does not depend on it."""
