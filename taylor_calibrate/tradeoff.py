@@ -76,10 +76,12 @@ def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str
 
 
 def label(r: dict) -> str:
-    """A row's name: its policy, its seed when not 0, whether the kept attention was re-aligned, and for an end-to-end
-    row its training flags (the `--train.*` part of its distill flags)."""
+    """A row's name: its policy, its seed when not 0, the phase-2 options it departs from the defaults with (kept
+    attention re-aligned, far_weight), and for an end-to-end row its training flags (the `--train.*` part of its
+    distill flags)."""
     name = r["policy"] + (f" (seed {r['seed']})" if r.get("seed") else "")
     name += " + kept attention re-aligned" if r.get("phase2_kept_attention") else ""
+    name += f" + far_weight {r['phase2_far_weight']:g}" if r.get("phase2_far_weight") else ""
     if not r["distill_tokens"]:
         return name
     toks = shlex.split(r["distill_flags"])
@@ -169,6 +171,7 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
                "kv_fraction": report["kv_fraction"], "ppl": report["hybrid_ppl"], "distill_tokens": 0, "seed": seed,
                "kept_layers": report["kept_layers"], "headwise_kept_groups": report["headwise_kept_groups"],
                "phase2_kept_attention": report["phase2_kept_attention"] is not None,
+               "phase2_far_weight": conv.phase2.far_weight if conv.align else 0.0,
                "answer_logprob": answer_scores(hybrid, long_probes)["logprob"],
                "probe_retrieval": report["retrieval"]["hybrid"] if report["retrieval"] else None,
                **_niah(hybrid, tok, args, f"row{len(result['rows'])}"), "convert_s": report["wall_s"]}

@@ -55,4 +55,4 @@ def test_end_to_end_phase_adds_a_distilled_row(tmp_path):
     md = (out / "tradeoff.md").read_text()
     assert "| heads + end-to-end (--train.batch_size 4 --train.lr 1e-3 --train.repeat_spans 0.5) | head |" in md  # named by its --train flags
     assert "| heads + end-to-end (--train.batch_size 4 --train.lr 1e-3) | head |" in md
-    assert not zero["phase2_kept_attention"]
+    assert not zero["phase2_kept_attention"] and zero["phase2_far_weight"] == 0
