@@ -26,7 +26,7 @@ from taylor_calibrate.results import record
 from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import RETRIEVAL, bypass_scores, gdn_layers, greedy_scores, kept_layers, kl_scores
-from taylor_calibrate.stats import TeacherStats, attention_targets, collect_stats
+from taylor_calibrate.stats import TeacherStats, attention_targets, collect_stats, far_weights
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 
@@ -51,8 +51,9 @@ class TeacherPass:
     targets: dict[int, Tensor]
 
     @classmethod
-    def run(cls, model, rows: Tensor, layers, device, batch_size: int = 4) -> "TeacherPass":
-        stats = collect_stats(model, rows, store_layers=layers, batch_size=batch_size, store_device=device)
+    def run(cls, model, rows: Tensor, layers, device, batch_size: int = 4, store_far: bool = False) -> "TeacherPass":
+        stats = collect_stats(model, rows, store_layers=layers, batch_size=batch_size, store_device=device,
+                              store_far=store_far)
         return cls(model, stats, attention_targets(model, stats, layers))
 
     def mixers(self, layers, init: str, calib, gdn, backend: str, seed: int = 0):
@@ -60,9 +61,11 @@ class TeacherPass:
         return calibrated_mixers(self.model, self.stats, layers, init, calib, gdn, backend, seed)
 
     def align(self, mixers: dict, args: AlignArgs, inputs: dict | None = None) -> dict:
-        """Phase 2 on `mixers` (in place), from the stored teacher inputs (or `inputs`) to the teacher's targets."""
+        """Phase 2 on `mixers` (in place), from the stored teacher inputs (or `inputs`) to the teacher's targets; with
+        `args.far_weight`, positions weighted as convert weighs them (the pass must have run with `store_far`)."""
         inputs = {i: self.stats.inputs[i] for i in mixers} if inputs is None else inputs
-        return align_layers(mixers, inputs, {i: self.targets[i] for i in mixers}, args)
+        weights = far_weights(self.model, self.stats, mixers, args.far_weight) if args.far_weight else None
+        return align_layers(mixers, inputs, {i: self.targets[i] for i in mixers}, args, weights=weights)
 
     def perplexity(self, mixers: dict, heldout: Tensor, batch_size: int = 4, desc: str = "eval") -> float:
         """Held-out perplexity of the hybrid: the teacher with `mixers` swapped in (restored after)."""
@@ -151,7 +154,8 @@ def run_ablate(args: AblateArgs) -> dict:
     d = args.data
     splits = load_splits(d, teacher.tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs)
     teacher_ppl = perplexity(model, splits.heldout, args.eval_batch_size, "teacher ppl")
-    tp = TeacherPass.run(model, splits.calib, list(range(n)), device, args.eval_batch_size)
+    tp = TeacherPass.run(model, splits.calib, list(range(n)), device, args.eval_batch_size,
+                         store_far=args.phase2.far_weight > 0)
     built, align_reports, kept, scores = build_all(tp, specs, args, backend, args.policies, splits.calib)
 
     rows = []

@@ -120,7 +120,8 @@ def build_or_load(model, splits, specs, policies, args, backend, device, cache: 
             log.info("recovery: mixers and kept layers from %s", cache)
             return {k: _cached_mixers(model, args, f) for k, f in files.items()}, {}, saved["kept"], saved["scores"]
     every = list(range(model.config.num_hidden_layers))
-    tp = TeacherPass.run(model, splits.calib, every, device, args.eval_batch_size)
+    tp = TeacherPass.run(model, splits.calib, every, device, args.eval_batch_size,
+                         store_far=args.phase2.far_weight > 0)
     built, reports, kept, scores = build_all(tp, specs, args, backend, policies, splits.calib)
     cache.mkdir(parents=True, exist_ok=True)
     for k, f in files.items():

@@ -62,6 +62,20 @@ def test_rows_differ_between_inits(ablated):
         assert len(set(ppls)) == len(INITS), (p, ppls)
 
 
+def test_far_weight_changes_the_aligned_rows_only(ablated, tmp_path):
+    """--phase2.far_weight reaches ablate's phase 2 as it reaches convert's: the aligned row moves, the unaligned not."""
+    import dataclasses
+
+    args, result, _ = ablated
+    far = dataclasses.replace(args, out=str(tmp_path / "far"), inits=["taylor", "taylor+align"],
+                              policies=["uniform"], phase2=dataclasses.replace(args.phase2, far_weight=4.0))
+    with one_thread():
+        rows = {r["init"]: r["ppl"] for r in run_ablate(far)["rows"]}
+    base = {r["init"]: r["ppl"] for r in result["rows"] if r["policy"] == "uniform"}
+    assert rows["taylor"] == pytest.approx(base["taylor"], rel=1e-6)
+    assert rows["taylor+align"] != pytest.approx(base["taylor+align"], rel=1e-6)
+
+
 def test_files_written(ablated):
     _, result, out = ablated
     saved = json.loads((out / "ablation.json").read_text())
