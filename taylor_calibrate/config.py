@@ -547,6 +547,11 @@ class TrainArgs:
     """Weight of the hidden-state MSE (every layer's output, relative to the teacher's mean square)."""
     ce_weight: float = 0.0
     """Weight of the next-token cross-entropy on the training text."""
+    far_weight: float = 0.0
+    """Weight each position's KL by 1 + far_weight x the teacher's attention mass there on keys 16 or more tokens back
+    (sink excluded), averaged over the heads the student converts, rescaled to mean 1 per batch: phase 2's
+    --phase2.far_weight for the end-to-end phase. The teacher then runs uncompiled (its attention is observed).
+    0: off."""
     eval_every: int | None = None
     """Evaluate on held-out text every this many steps (None: 8 evaluations over the run); also at step 0 and
     at the end."""
@@ -583,6 +588,8 @@ class TrainArgs:
             raise ValueError(f"train option warmup={self.warmup} must be in [0, 1)")
         if self.lr <= 0 or self.temperature <= 0:
             raise ValueError("train options lr and temperature must be > 0")
+        if self.far_weight < 0:
+            raise ValueError(f"train far_weight={self.far_weight} must be >= 0 (0 turns it off)")
         if min(self.kl_weight, self.hidden_weight, self.ce_weight) < 0 or \
                 self.kl_weight + self.hidden_weight + self.ce_weight == 0:
             raise ValueError("train loss weights must be >= 0 and not all 0")

@@ -1,7 +1,8 @@
 """The `distill` stage: recover a converted hybrid by distillation from its teacher (docs/method.md,
 "Recovery distillation").
 
-    loss = kl_weight * T^2 * KL(teacher_T || student_T)      per token, forward KL on the logits
+    loss = kl_weight * T^2 * KL(teacher_T || student_T)      per token, forward KL on the logits (optionally weighted
+                                                             per position: --train.far_weight)
          + hidden_weight * sum_l |h_l - h_l^T|^2 / |h_l^T|^2  every layer's output (optional)
          + ce_weight * CE(student, next token)                (optional)
 
@@ -44,8 +45,10 @@ from taylor_calibrate.config import GDN_TYPE, DistillArgs, TrainArgs, apply_prof
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.export import REPORT, check_finite, load_model, staged_dir
+from taylor_calibrate.model.hybrid import converted_heads
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend
+from taylor_calibrate.stats import FarMass, observing
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 from taylor_calibrate.training import Clock, autocast, warmup_cosine
 
@@ -144,24 +147,39 @@ def uncompile_layers(*models) -> None:
         layer._compiled_call_impl = None
 
 
+def converted_heads_of(student, teacher_config) -> dict[int, list[int]]:
+    """{layer: the query heads the student converts to GDN}: every head of a GDN layer, the heads outside the kept KV
+    groups of a head-wise one."""
+    n = teacher_config.num_attention_heads
+    return {i: converted_heads(teacher_config, kept) if (kept := student.config.kept_groups(i)) else list(range(n))
+            for i in student.config.gdn_layers}
+
+
 # --- the loss ----------------------------------------------------------------------------------------------------
-def forward_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float) -> torch.Tensor:
-    """tau^2 KL(softmax(t / tau) || softmax(s / tau)), mean over tokens, in fp32: the reference `chunked_kl` is
-    tested against (`--train.kl_chunk 0`). It holds several fp32 (tokens x vocab) copies of the logits at once."""
+def forward_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float,
+               weights: torch.Tensor | None = None) -> torch.Tensor:
+    """tau^2 KL(softmax(t / tau) || softmax(s / tau)), mean over tokens (each token's KL times its `weights` (B, T)
+    when given), in fp32: the reference `chunked_kl` is tested against (`--train.kl_chunk 0`). It holds several fp32
+    (tokens x vocab) copies of the logits at once."""
     if tau != 1.0:
         s_logits, t_logits = s_logits.float() / tau, t_logits.float() / tau
     t_logp = F.log_softmax(t_logits.float(), -1)
     s_logp = F.log_softmax(s_logits.float(), -1)
-    return F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="batchmean") * tau ** 2
+    kl = F.kl_div(s_logp, t_logp, log_target=True, reduction="none").sum(-1)  # (B, T)
+    return (kl if weights is None else kl * weights).mean() * tau ** 2
 
 
-def kl_chunk(s: torch.Tensor, t: torch.Tensor, tau: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of rows (n, V), in fp32 inside: (sum over rows of KL(p_t || p_s), scale * dKL/ds in s's dtype), where
-    dKL/ds = (p_s - p_t) / tau."""
+def kl_chunk(s: torch.Tensor, t: torch.Tensor, tau: float, scale: float,
+             w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of rows (n, V), in fp32 inside: (sum over rows of w x KL(p_t || p_s), scale * w x dKL/ds in s's
+    dtype), where dKL/ds = (p_s - p_t) / tau; `w` (n,): the rows' weights (None: 1)."""
     s_logp = F.log_softmax(s.float() / tau, -1)
     t_logp = F.log_softmax(t.float() / tau, -1)
     t_p = t_logp.exp()
-    return (t_p * (t_logp - s_logp)).sum(), ((s_logp.exp() - t_p) * (scale / tau)).to(s.dtype)
+    kl, grad = (t_p * (t_logp - s_logp)).sum(-1), (s_logp.exp() - t_p) * (scale / tau)
+    if w is not None:
+        kl, grad = kl * w, grad * w[:, None]
+    return kl.sum(), grad.to(s.dtype)
 
 
 class _ChunkedKL(torch.autograd.Function):
@@ -170,13 +188,14 @@ class _ChunkedKL(torch.autograd.Function):
     recomputation, and no fp32 (tokens x vocab) tensor beyond one chunk."""
 
     @staticmethod
-    def forward(ctx, s_logits, t_logits, tau, chunk, kernel):
+    def forward(ctx, s_logits, t_logits, tau, chunk, kernel, weights=None):
         s, t = s_logits.reshape(-1, s_logits.shape[-1]), t_logits.reshape(-1, t_logits.shape[-1])
+        w = None if weights is None else weights.reshape(-1).float()
         n = s.shape[0]
         grad = torch.empty_like(s) if ctx.needs_input_grad[0] else None
         total = torch.zeros((), dtype=torch.float32, device=s.device)
         for i in range(0, n, chunk):
-            kl, g = kernel(s[i:i + chunk], t[i:i + chunk], tau, tau ** 2 / n)
+            kl, g = kernel(s[i:i + chunk], t[i:i + chunk], tau, tau ** 2 / n, None if w is None else w[i:i + chunk])
             total = total + kl
             if grad is not None:
                 grad[i:i + chunk] = g
@@ -186,27 +205,28 @@ class _ChunkedKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad, ctx.grad = ctx.grad, None
-        return grad.mul_(grad_out.to(grad.dtype)).view(ctx.shape), None, None, None, None
+        return grad.mul_(grad_out.to(grad.dtype)).view(ctx.shape), None, None, None, None, None
 
 
-def chunked_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float, chunk: int = 4096,
-               kernel=kl_chunk) -> torch.Tensor:
-    """forward_kl (same value, same gradient) over `chunk` tokens at a time: memory beyond the bf16 logits is one
-    fp32 chunk. `kernel` is `kl_chunk`, or its torch.compile'd version (`--train.compile`: one fused pass per chunk).
+def chunked_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float, weights: torch.Tensor | None = None,
+               chunk: int = 4096, kernel=kl_chunk) -> torch.Tensor:
+    """forward_kl (same value, same gradient, same `weights`) over `chunk` tokens at a time: memory beyond the bf16
+    logits is one fp32 chunk. `kernel` is `kl_chunk`, or its torch.compile'd version (`--train.compile`: one fused pass per chunk).
 
     Why not liger-kernel's losses: its logits KL is a Triton kernel (no CPU path, so no reference where tests run),
     and its fused linear losses take the student's final hidden states and lm_head weight outside the model's
     forward, where FSDP2 keeps the root's parameters sharded."""
-    return _ChunkedKL.apply(s_logits, t_logits, tau, chunk, kernel)
+    return _ChunkedKL.apply(s_logits, t_logits, tau, chunk, kernel, weights)
 
 
 def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs,
-            kl_fn=forward_kl) -> tuple[torch.Tensor, dict]:
-    """The distillation loss of the module docstring, mean over tokens; returns (loss, its parts as floats)."""
+            kl_fn=forward_kl, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """The distillation loss of the module docstring, mean over tokens (the KL's tokens weighted by `weights` (B, T)
+    when given); returns (loss, its parts as floats)."""
     parts = {}
     loss = 0.0
     if args.kl_weight:
-        kl = kl_fn(student_out.logits, teacher_out.logits, args.temperature)
+        kl = kl_fn(student_out.logits, teacher_out.logits, args.temperature, weights)
         loss = loss + args.kl_weight * kl
         parts["kl"] = kl.detach()
     if args.hidden_weight:
@@ -478,8 +498,9 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     kernel = torch.compile(kl_chunk) if compiled else kl_chunk
     kl_fn = (functools.partial(chunked_kl, chunk=args.kl_chunk, kernel=kernel) if args.kl_chunk
              else torch.compile(forward_kl) if compiled else forward_kl)
-    if compiled:
-        compile_layers(student, teacher)
+    far = FarMass(converted_heads_of(student, teacher.config)) if args.far_weight else None
+    if compiled:  # an observed teacher (far_weight) runs eagerly: its attention goes through the statistics pass
+        compile_layers(student, *([] if far else [teacher]))
     model = wrap(student, ctx, args.parallel, device)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = {id(p) for p in params if p.ndim >= 2}
@@ -533,13 +554,14 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             ids = repeat_spans(rows[windows], windows, args.repeat_spans, args.seed, step)
             ids = recall_rows(ids, windows, args.recall_rows, args.seed, step).to(device, non_blocking=True)
             hidden = args.hidden_weight > 0
-            with torch.no_grad(), autocast(device):
+            with torch.no_grad(), autocast(device), observing(teacher, far) if far else nullcontext():
                 t_out = teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden)
+            weights = far.weights(args.far_weight) if far else None
             sync = nullcontext() if j == accum - 1 or not hasattr(model, "no_sync") else model.no_sync()
             with sync:
                 with autocast(device):
                     s_out = model(input_ids=ids, use_cache=False, output_hidden_states=hidden)
-                loss, parts = kd_loss(s_out, t_out, ids, args, kl_fn)
+                loss, parts = kd_loss(s_out, t_out, ids, args, kl_fn, weights)
                 (loss / accum).backward()
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v / accum
@@ -578,7 +600,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             break
 
     if compiled:
-        uncompile_layers(student, teacher)
+        uncompile_layers(student, *([] if far else [teacher]))
     records = metrics.read() if ctx.main else []
     evals = [r for r in records if "heldout_loss" in r]
     tps = clock.rate(((step if stop else steps) - start - 1) * tokens_per_step)

@@ -36,6 +36,13 @@ BAND = 16
 _IMPL = "taylor_stats"
 
 
+def far_mass(band: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """(B, H, T) attention mass of each query on keys at least BAND back, key 0 (the sink) excluded, from its band
+    p_{t, t-j} (BAND, B, H, T) and its sink mass p_{t, 0} (B, H, T)."""
+    beyond = torch.arange(band.shape[-1], device=band.device) >= BAND  # key 0 is outside the band
+    return (1 - band.sum(0) - sink * beyond).clamp(0, 1)
+
+
 # --- per-layer accumulation ---------------------------------------------------------------------------------------
 @dataclass
 class LayerStats:
@@ -136,10 +143,8 @@ class _Collector:
         self.windows[idx] = window
         if idx in self.store_layers:
             self.head_outputs[idx].append(out.reshape(*out.shape[:2], -1).detach().to(self.store_device))
-        if idx in self.far_mass:  # the mass neither the band (offsets < BAND) nor, beyond it, the sink takes
-            beyond = torch.arange(query.shape[2], device=query.device) >= BAND  # key 0 is outside the band
-            far = 1 - band.sum(0) - st["sink"] * beyond
-            self.far_mass[idx].append(far.clamp(0, 1).transpose(1, 2).float().to(self.store_device))
+        if idx in self.far_mass:
+            self.far_mass[idx].append(far_mass(band, st["sink"]).transpose(1, 2).float().to(self.store_device))
 
     def finish(self) -> dict[int, LayerStats]:
         if not self.sums:
@@ -157,7 +162,37 @@ class _Collector:
         return layers
 
 
-_ACTIVE = None  # the collector the attention function below feeds (a _Collector or a _NeedleProbe)
+class FarMass:
+    """During one teacher forward (`observing`), the far attention mass (`far_mass`) of the query heads `heads`
+    ({layer: heads}, the ones a student converts) averaged per position: the end-to-end phase's position weights
+    (`weights`, `--train.far_weight`)."""
+
+    def __init__(self, heads: dict[int, list[int]], block: int = 256, backend: str = "auto"):
+        self.heads, self.block, self.backend = heads, block, backend
+        self.total, self.layers = None, 0
+        self._index: dict[tuple, torch.Tensor] = {}
+
+    def observe(self, module, query, key, out, scaling, window, softcap):
+        heads = self.heads.get(module.layer_idx)
+        if not heads:
+            return
+        st = attention_stats(query, key, scaling, window, softcap, self.block, backend=self.backend)
+        band = band_probs(query, key, st["lse"][None], scaling, BAND, window, softcap)[0].permute(3, 0, 1, 2)
+        idx = self._index.setdefault((module.layer_idx, str(query.device)), torch.tensor(heads, device=query.device))
+        far = far_mass(band, st["sink"]).index_select(1, idx).mean(1)  # (B, T)
+        self.total = far if self.total is None else self.total + far
+        self.layers += 1
+
+    def weights(self, far_weight: float) -> torch.Tensor:
+        """(B, T): 1 + far_weight x the mean far mass, rescaled to mean 1; then the collector is empty again."""
+        if self.total is None:
+            raise RuntimeError("FarMass.weights: no attention was observed (is the model's attention observable?)")
+        w = 1 + far_weight * self.total / self.layers
+        self.total, self.layers = None, 0
+        return w / w.mean()
+
+
+_ACTIVE = None  # the collector the attention function below feeds (a _Collector, a _NeedleProbe or a FarMass)
 
 
 def _stats_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -201,17 +236,23 @@ def capturing_inputs(model, inputs: dict[int, list], store_device):
 
 
 @contextlib.contextmanager
-def _collecting(model, collector):
+def observing(model, collector):
+    """Run `model`'s attention through `_stats_attention` (same outputs), feeding `collector.observe`."""
     global _ACTIVE
     old_impl = model.config._attn_implementation
     model.set_attn_implementation(_IMPL)
     _ACTIVE = collector
     try:
-        with capturing_inputs(model, collector.inputs, collector.store_device):
-            yield
+        yield collector
     finally:
         _ACTIVE = None
         model.set_attn_implementation(old_impl)
+
+
+@contextlib.contextmanager
+def _collecting(model, collector):
+    with observing(model, collector), capturing_inputs(model, collector.inputs, collector.store_device):
+        yield
 
 
 @torch.no_grad()

@@ -83,6 +83,40 @@ def test_hidden_state_and_cross_entropy_terms_add_to_the_loss(assets):
         assert r["loss"] == pytest.approx(r["kl"] + 2.0 * r["hidden_mse"] + 0.5 * r["ce"], rel=1e-5)
 
 
+def test_far_weight_weighs_the_kl_by_the_teachers_far_attention(assets):
+    """--train.far_weight: the teacher's far attention mass (its converted heads, keys >= 16 back, sink out) weighs
+    each token's KL; the weights follow eager attention, and the run trains differently from the unweighted one."""
+    from taylor_calibrate.distill import converted_heads_of
+    from taylor_calibrate.stats import BAND, FarMass, observing
+
+    root, teacher_dir, corpus = assets
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    student = AutoModelForCausalLM.from_pretrained(root / "student")
+    heads = converted_heads_of(student, teacher.config)
+    assert sorted(heads) == GDN_LAYERS and all(len(h) == teacher.config.num_attention_heads for h in heads.values())
+    ids = torch.randint(0, teacher.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    far = FarMass(heads, block=16)
+    with torch.no_grad(), one_thread():
+        with observing(teacher, far):
+            out = teacher(input_ids=ids, use_cache=False)
+        teacher.set_attn_implementation("eager")
+        eager = teacher(input_ids=ids, use_cache=False, output_attentions=True)
+        teacher.set_attn_implementation("sdpa")
+    torch.testing.assert_close(out.logits, eager.logits, rtol=1e-4, atol=1e-4)  # observing leaves the outputs alone
+    t, s = torch.arange(40)[:, None], torch.arange(40)[None, :]
+    mass = torch.stack([(eager.attentions[i] * ((t - s >= BAND) & (s > 0))).sum(-1).mean(1) for i in GDN_LAYERS])
+    want = 1 + 3.0 * mass.mean(0)
+    torch.testing.assert_close(far.weights(3.0), want / want.mean(), rtol=1e-4, atol=1e-5)
+
+    runs = {}
+    for weight in ("0", "3"):
+        out_dir = root / f"far{weight}"
+        with one_thread():
+            assert main(_argv(root, corpus, out_dir, 2, "--train.far_weight", weight)) == 0
+        runs[weight] = [r["kl"] for r in _records(out_dir) if "kl" in r]
+    assert runs["0"][0] != pytest.approx(runs["3"][0], rel=1e-6) and all(math.isfinite(k) for k in runs["3"])
+
+
 def _run(argv, env_extra=None, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.Popen([sys.executable, "-m", "taylor_calibrate", *argv], env=env, stdout=subprocess.PIPE,
@@ -210,18 +244,21 @@ def test_compiled_layers_follow_the_eager_run(assets):
 
 @pytest.mark.parametrize("tau", [1.0, 2.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_kl_equals_plain_kl_value_and_gradient(tau, dtype):
-    """chunked_kl = forward_kl in value and gradient, with a ragged last chunk (14 tokens in chunks of 4); in bf16 the
-    gradients agree to bf16 rounding (both paths cast the fp32 gradient to the logits' dtype once)."""
+@pytest.mark.parametrize("weighted", [False, True])
+def test_chunked_kl_equals_plain_kl_value_and_gradient(tau, dtype, weighted):
+    """chunked_kl = forward_kl in value and gradient, with a ragged last chunk (14 tokens in chunks of 4), with and
+    without per-token weights (--train.far_weight); in bf16 the gradients agree to bf16 rounding (both paths cast the
+    fp32 gradient to the logits' dtype once)."""
     from taylor_calibrate.distill import chunked_kl, forward_kl
 
     g = torch.Generator().manual_seed(0)
     s0 = (3 * torch.randn(2, 7, 301, generator=g)).to(dtype)
     t = (3 * torch.randn(2, 7, 301, generator=g)).to(dtype)
+    w = 2 * torch.rand(2, 7, generator=g) if weighted else None
     out = {}
-    for name, fn in (("plain", forward_kl), ("chunked", lambda a, b, tau: chunked_kl(a, b, tau, chunk=4))):
+    for name, fn in (("plain", forward_kl), ("chunked", lambda a, b, tau, w: chunked_kl(a, b, tau, w, chunk=4))):
         s = s0.clone().requires_grad_(True)
-        loss = fn(s, t, tau)
+        loss = fn(s, t, tau, w)
         (3 * loss).backward()  # a non-unit upstream gradient
         out[name] = (loss.detach(), s.grad.float())
     (lp, gp), (lc, gc) = out["plain"], out["chunked"]
@@ -230,7 +267,9 @@ def test_chunked_kl_equals_plain_kl_value_and_gradient(tau, dtype):
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert (gc - gp).norm() <= tol * gp.norm(), ((gc - gp).norm(), gp.norm())
     with torch.no_grad():  # no gradient wanted: the buffer is not even allocated, the value is the same
-        assert chunked_kl(s0, t, tau, chunk=5).item() == pytest.approx(lp.item(), rel=1e-5)
+        assert chunked_kl(s0, t, tau, w, chunk=5).item() == pytest.approx(lp.item(), rel=1e-5)
+    if weighted:  # the weights act: the unweighted value differs
+        assert forward_kl(s0, t, tau).item() != pytest.approx(lp.item(), rel=1e-3)
 
 
 def test_train_gdn_freezes_the_kept_attention_of_head_wise_layers():
