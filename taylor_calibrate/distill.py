@@ -45,7 +45,7 @@ from taylor_calibrate.config import GDN_TYPE, DistillArgs, TrainArgs, apply_prof
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.export import REPORT, check_finite, load_model, staged_dir
-from taylor_calibrate.model.hybrid import converted_heads
+from taylor_calibrate.model.hybrid import gdn_heads
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.stats import FarMass, observing
@@ -147,14 +147,6 @@ def uncompile_layers(*models) -> None:
         layer._compiled_call_impl = None
 
 
-def converted_heads_of(student, teacher_config) -> dict[int, list[int]]:
-    """{layer: the query heads the student converts to GDN}: every head of a GDN layer, the heads outside the kept KV
-    groups of a head-wise one."""
-    n = teacher_config.num_attention_heads
-    return {i: converted_heads(teacher_config, kept) if (kept := student.config.kept_groups(i)) else list(range(n))
-            for i in student.config.gdn_layers}
-
-
 # --- the loss ----------------------------------------------------------------------------------------------------
 def forward_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float,
                weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -211,7 +203,8 @@ class _ChunkedKL(torch.autograd.Function):
 def chunked_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float, weights: torch.Tensor | None = None,
                chunk: int = 4096, kernel=kl_chunk) -> torch.Tensor:
     """forward_kl (same value, same gradient, same `weights`) over `chunk` tokens at a time: memory beyond the bf16
-    logits is one fp32 chunk. `kernel` is `kl_chunk`, or its torch.compile'd version (`--train.compile`: one fused pass per chunk).
+    logits is one fp32 chunk. `kernel` is `kl_chunk`, or its torch.compile'd version (`--train.compile`: one fused
+    pass per chunk).
 
     Why not liger-kernel's losses: its logits KL is a Triton kernel (no CPU path, so no reference where tests run),
     and its fused linear losses take the student's final hidden states and lm_head weight outside the model's
@@ -498,7 +491,9 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     kernel = torch.compile(kl_chunk) if compiled else kl_chunk
     kl_fn = (functools.partial(chunked_kl, chunk=args.kl_chunk, kernel=kernel) if args.kl_chunk
              else torch.compile(forward_kl) if compiled else forward_kl)
-    far = FarMass(converted_heads_of(student, teacher.config)) if args.far_weight else None
+    layers = student.config.gdn_layers
+    far = FarMass(gdn_heads(teacher.config, layers, {i: student.config.kept_groups(i) for i in layers})) \
+        if args.far_weight else None
     if compiled:  # an observed teacher (far_weight) runs eagerly: its attention goes through the statistics pass
         compile_layers(student, *([] if far else [teacher]))
     model = wrap(student, ctx, args.parallel, device)

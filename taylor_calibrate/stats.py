@@ -178,8 +178,10 @@ class FarMass:
             return
         st = attention_stats(query, key, scaling, window, softcap, self.block, backend=self.backend)
         band = band_probs(query, key, st["lse"][None], scaling, BAND, window, softcap)[0].permute(3, 0, 1, 2)
-        idx = self._index.setdefault((module.layer_idx, str(query.device)), torch.tensor(heads, device=query.device))
-        far = far_mass(band, st["sink"]).index_select(1, idx).mean(1)  # (B, T)
+        key = (module.layer_idx, str(query.device))
+        if key not in self._index:  # once per layer: no host-to-device copy per step
+            self._index[key] = torch.tensor(heads, device=query.device)
+        far = far_mass(band, st["sink"]).index_select(1, self._index[key]).mean(1)  # (B, T)
         self.total = far if self.total is None else self.total + far
         self.layers += 1
 
@@ -321,15 +323,12 @@ def far_weights(teacher, stats: TeacherStats, layers, far_weight: float,
     mean 1 over each layer's positions 1..T-1 (position 0 is the sink's, weighted by sink_weight). The positions
     where the teacher reaches far back are the ones a recurrent state finds hardest: this makes phase 2 spend more
     of its fit there."""
-    from taylor_calibrate.model.hybrid import converted_heads
+    from taylor_calibrate.model.hybrid import gdn_heads
 
     out = {}
-    for i in layers:
+    for i, heads in gdn_heads(teacher.config, layers, kept_groups).items():
         far = stats.far_mass[i]
-        kept = (kept_groups or {}).get(i)
-        if kept:
-            far = far[..., torch.tensor(converted_heads(teacher.config, kept), device=far.device)]
-        w = 1 + far_weight * far.mean(-1)
+        w = 1 + far_weight * far[..., torch.tensor(heads, device=far.device)].mean(-1)
         w = w / w[:, 1:].mean()
         w[:, 0] = 1.0
         out[i] = w

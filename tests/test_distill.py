@@ -86,13 +86,14 @@ def test_hidden_state_and_cross_entropy_terms_add_to_the_loss(assets):
 def test_far_weight_weighs_the_kl_by_the_teachers_far_attention(assets):
     """--train.far_weight: the teacher's far attention mass (its converted heads, keys >= 16 back, sink out) weighs
     each token's KL; the weights follow eager attention, and the run trains differently from the unweighted one."""
-    from taylor_calibrate.distill import converted_heads_of
+    from taylor_calibrate.model.hybrid import gdn_heads
     from taylor_calibrate.stats import BAND, FarMass, observing
 
     root, teacher_dir, corpus = assets
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
     student = AutoModelForCausalLM.from_pretrained(root / "student")
-    heads = converted_heads_of(student, teacher.config)
+    layers = student.config.gdn_layers
+    heads = gdn_heads(teacher.config, layers, {i: student.config.kept_groups(i) for i in layers})
     assert sorted(heads) == GDN_LAYERS and all(len(h) == teacher.config.num_attention_heads for h in heads.values())
     ids = torch.randint(0, teacher.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     far = FarMass(heads, block=16)

@@ -74,6 +74,12 @@ def converted_heads(cfg, kept: list[int]) -> list[int]:
     return group_heads(cfg, [g for g in range(cfg.num_key_value_heads) if g not in set(kept)])
 
 
+def gdn_heads(cfg, layers, kept_groups: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
+    """{layer: its GDN query heads} for converted `layers`: every head, or those outside a head-wise layer's kept KV
+    groups (`kept_groups`)."""
+    return {i: converted_heads(cfg, (kept_groups or {}).get(i) or []) for i in layers}
+
+
 def _new_gdn(base, gdn_cfg: GDNConfig, layer_idx: int, attn: nn.Module, kept: list[int] = ()) -> GatedDeltaNet:
     """The GDN mixer of a converted layer; head-wise (`kept` groups stay attention) it holds the other heads only,
     and the o_proj bias stays with the attention part."""
