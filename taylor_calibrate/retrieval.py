@@ -221,24 +221,26 @@ def generate_continuations(model, tokenizer, prompts: list[str], max_new_tokens:
 def accuracy(model, tokenizer, samples: list[Sample], max_new_tokens: int = 16, batch_size: int = 1,
              progress=None, answers: list | None = None) -> float:
     """Fraction of samples whose greedy continuation contains the answer. `answers`, when given, gets one record per
-    sample: what it asked, what the model said, and whether that was right or a distractor's answer."""
+    sample: what it asked, what the model said, whether that was right, a distractor's answer (multikey), or no
+    number at all (the model did not answer in the needle's form within `max_new_tokens`)."""
     texts = generate_continuations(model, tokenizer, [s.prompt for s in samples], max_new_tokens, batch_size, progress)
     right = [s.answer in t for s, t in zip(samples, texts)]
     if answers is not None:
         for s, t, r in zip(samples, texts, right):
             confused = (not r and any(d in t for d in s.distractors)) if s.distractors else None
             answers.append({"task": s.task, "length": s.length, "depth": s.depth, "answer": s.answer, "output": t,
-                            "right": r, "distractor": confused})
+                            "right": r, "distractor": confused, "no_number": not any(c.isdigit() for c in t)})
     return sum(right) / len(samples)
 
 
-def distractor_rates(answers: list[dict]) -> dict:
-    """{task: {str(length): fraction of its samples answered with a distractor's answer}} for the tasks that have
-    distractors (multikey): how much of the lost accuracy is confusing the keys rather than failing to retrieve."""
+def reply_rates(answers: list[dict], kind: str) -> dict:
+    """{task: {str(length): share of its replies with `kind` true}} over the records `accuracy` wrote, for the tasks
+    where `kind` applies. "distractor" (multikey): the keys confused rather than nothing retrieved; "no_number": no
+    answer in the needle's form at all, a failure of the reply's form that a wrong number is not."""
     cells: dict = {}
     for a in answers:
-        if a["distractor"] is not None:
-            cells.setdefault(a["task"], {}).setdefault(str(a["length"]), []).append(a["distractor"])
+        if a.get(kind) is not None:
+            cells.setdefault(a["task"], {}).setdefault(str(a["length"]), []).append(a[kind])
     return {t: {n: sum(v) / len(v) for n, v in by_len.items()} for t, by_len in cells.items()}
 
 

@@ -26,20 +26,22 @@ from taylor_calibrate.distill import distill
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.results import record, write_text
-from taylor_calibrate.retrieval import answer_scores, distractor_rates, eval_probes, niah_scores, probe_length
+from taylor_calibrate.retrieval import answer_scores, eval_probes, niah_scores, probe_length, reply_rates
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 RESULT = "tradeoff.json"
 
 
 def _niah(model, tokenizer, args: TradeoffArgs, name: str) -> dict:
-    """{"niah": accuracies, "niah_distractor": multikey's key confusions}; every answer to <out>/answers/<name>.jsonl."""
+    """{"niah": accuracies, "niah_distractor": multikey's key confusions, "niah_no_number": replies without a
+    number}; every answer to <out>/answers/<name>.jsonl."""
     answers = []
     scores = niah_scores(model, tokenizer, tasks=args.niah_tasks, lengths=args.niah_lengths,
                          samples=args.niah_samples, seed=args.niah_seed, batch_size=args.eval_batch_size,
                          answers=answers)
     write_text(Path(args.out) / "answers" / f"{name}.jsonl", "".join(json.dumps(a) + "\n" for a in answers))
-    return {"niah": scores, "niah_distractor": distractor_rates(answers)}
+    return {"niah": scores, "niah_distractor": reply_rates(answers, "distractor"),
+            "niah_no_number": reply_rates(answers, "no_number")}
 
 
 def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str, tag: str,
@@ -86,8 +88,13 @@ def label(r: dict) -> str:
         return name
     toks = shlex.split(r["distill_flags"])
     train = " ".join(t if "=" in t or i + 1 == len(toks) or toks[i + 1].startswith("--") else f"{t} {toks[i + 1]}"
-                     for i, t in enumerate(toks) if t.startswith("--train."))
+                     for i, t in enumerate(toks)
+                     if t.startswith("--train.") and t.partition("=")[0] not in _SAME_RESULT)
     return f"{name} + end-to-end ({train or 'defaults'})"
+
+
+_SAME_RESULT = {f"--train.{f}" for f in ("micro_batch_size", "save_every", "log_every", "eval_every", "compile")}
+"""Distill flags that change how a run is carried out, not what it computes: left out of a row's name."""
 
 
 def markdown(result: dict) -> str:

@@ -5,8 +5,8 @@ import re
 import pytest
 import torch
 
-from taylor_calibrate.retrieval import (TASKS, accuracy, distractor_rates, generate_continuations, make_sample,
-                                        make_samples, niah_scores, tolerance)
+from taylor_calibrate.retrieval import (TASKS, accuracy, generate_continuations, make_sample,
+                                        make_samples, niah_scores, reply_rates, tolerance)
 from conftest import tiny_teacher
 
 
@@ -59,14 +59,14 @@ def test_too_short_length_is_a_clear_error(smollm2_tokenizer):
 
 
 class StubLM(torch.nn.Module):
-    """Answers every prompt by reading the asked needle out of it (oracle), with a wrong number, or (`confuse`) with
-    another key's number where there is one."""
+    """Answers every prompt by reading the asked needle out of it (oracle), with a wrong number, (`confuse`) with
+    another key's number where there is one, or (`mute`) with words and no number."""
 
-    def __init__(self, tokenizer, right: bool, max_positions: int = 4096, confuse: bool = False):
+    def __init__(self, tokenizer, right: bool, max_positions: int = 4096, confuse: bool = False, mute: bool = False):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
         self.config = type("Config", (), {"max_position_embeddings": max_positions})()
-        self.tok, self.right, self.confuse, self.calls = tokenizer, right, confuse, []
+        self.tok, self.right, self.confuse, self.mute, self.calls = tokenizer, right, confuse, mute, []
 
     def generate(self, input_ids, attention_mask, max_new_tokens, **kw):
         self.calls.append(tuple(input_ids.shape))
@@ -80,6 +80,8 @@ class StubLM(torch.nn.Module):
             others = [n for k, n in re.findall(r"magic number for (\S+) is: (\d+)\.", text) if key and k != key.group(1)]
             if self.confuse and others:
                 answer = others[0]
+            if self.mute:
+                answer = "\nthe special magic number for the key"
             new = self.tok(f" {answer}.", add_special_tokens=False)["input_ids"][:max_new_tokens]
             rows.append(new + [kw["pad_token_id"]] * (max_new_tokens - len(new)))
         return torch.cat([input_ids, torch.tensor(rows)], 1)
@@ -94,16 +96,19 @@ def test_scores_one_for_right_answers_zero_for_wrong(smollm2_tokenizer):
         assert [b for b, _ in stub.calls] == [2, 1] * 6, "3 samples per cell in batches of 2"
 
 
-@pytest.mark.parametrize("right, confuse, rate", [(True, False, 0.0), (False, False, 0.0), (False, True, 1.0)])
-def test_answers_record_every_reply_and_multikey_key_confusions(smollm2_tokenizer, right, confuse, rate):
-    """A wrong answer that is another needle's number counts as a key confusion; only multikey has distractors."""
-    stub = StubLM(smollm2_tokenizer, right, confuse=confuse)
+@pytest.mark.parametrize("right, confuse, mute, rate", [(True, False, False, 0.0), (False, False, False, 0.0),
+                                                       (False, True, False, 1.0), (False, False, True, 0.0)])
+def test_answers_record_every_reply_and_multikey_key_confusions(smollm2_tokenizer, right, confuse, mute, rate):
+    """A wrong answer that is another needle's number counts as a key confusion; only multikey has distractors. A
+    reply without any number is told apart from a wrong number, in every task."""
+    stub = StubLM(smollm2_tokenizer, right, confuse=confuse, mute=mute)
     answers = []
     scores = niah_scores(stub, smollm2_tokenizer, lengths=(512,), samples=2, answers=answers)
     assert len(answers) == 3 * 2 and all(a["right"] == right for a in answers)
     assert all((a["answer"] in a["output"]) == right for a in answers)  # the reply as the model gave it
     assert [a["distractor"] is None for a in answers] == [t != "multikey" for t in TASKS for _ in range(2)]
-    assert distractor_rates(answers) == {"multikey": {"512": rate}}
+    assert reply_rates(answers, "distractor") == {"multikey": {"512": rate}}
+    assert reply_rates(answers, "no_number") == {t: {"512": float(mute)} for t in TASKS}
     assert scores["multikey"]["512"] == float(right)
 
 
