@@ -214,10 +214,11 @@ class AlignArgs:
     """Weight of each row's first position in the loss, in positions (1 = a plain mean over positions). The first
     token is where later layers' heads park their attention (the sink): an error there moves every later token
     (docs/decisions.md, "first position in the loss")."""
-    far_weight: float = 0.0
+    far_weight: float = 16.0
     """Weight each position's loss by 1 + far_weight x the teacher's attention mass there on keys 16 or more tokens
     back (sink excluded), averaged over the heads that become GDN, rescaled to mean 1 (`stats.far_weights`): the fit
-    leans toward where the teacher reaches far back. 0: off (docs/decisions.md, "far-reaching positions in the loss")."""
+    leans toward where the teacher reaches far back, which is what retrieval needs. 0: off (docs/decisions.md,
+    "far-reaching positions in the loss")."""
     layer_group: int | None = None
     """Layers trained together in one stacked forward/backward (None: all; fewer bounds activation memory). The
     result does not depend on it."""

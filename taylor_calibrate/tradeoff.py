@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from taylor_calibrate.checks import check_out
-from taylor_calibrate.config import (ConvertArgs, TradeoffArgs, apply_profile, apply_train_profile,
+from taylor_calibrate.config import (AlignArgs, ConvertArgs, TradeoffArgs, apply_profile, apply_train_profile,
                                      convert_args_of)
 from taylor_calibrate.convert import convert_loaded
 from taylor_calibrate.data import distill_data, load_splits
@@ -83,7 +83,8 @@ def label(r: dict) -> str:
     distill flags)."""
     name = r["policy"] + (f" (seed {r['seed']})" if r.get("seed") else "")
     name += " + kept attention re-aligned" if r.get("phase2_kept_attention") else ""
-    name += f" + far_weight {r['phase2_far_weight']:g}" if r.get("phase2_far_weight") else ""
+    far = r.get("phase2_far_weight", 0.0)  # rows from before the option had none: 0
+    name += f" + far_weight {far:g}" if far is not None and far != AlignArgs.far_weight else ""
     if not r["distill_tokens"]:
         return name
     toks = shlex.split(r["distill_flags"])
@@ -178,7 +179,7 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
                "kv_fraction": report["kv_fraction"], "ppl": report["hybrid_ppl"], "distill_tokens": 0, "seed": seed,
                "kept_layers": report["kept_layers"], "headwise_kept_groups": report["headwise_kept_groups"],
                "phase2_kept_attention": report["phase2_kept_attention"] is not None,
-               "phase2_far_weight": conv.phase2.far_weight if conv.align else 0.0,
+               "phase2_far_weight": conv.phase2.far_weight if conv.align else None,
                "answer_logprob": answer_scores(hybrid, long_probes)["logprob"],
                "probe_retrieval": report["retrieval"]["hybrid"] if report["retrieval"] else None,
                **_niah(hybrid, tok, args, f"row{len(result['rows'])}"), "convert_s": report["wall_s"]}

@@ -7,6 +7,7 @@ import pytest
 from conftest import tiny_local_teacher
 
 from taylor_calibrate.cli import main
+from taylor_calibrate.config import AlignArgs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -55,14 +56,17 @@ def test_end_to_end_phase_adds_a_distilled_row(tmp_path):
     md = (out / "tradeoff.md").read_text()
     assert "| heads + end-to-end (--train.batch_size 4 --train.lr 1e-3 --train.repeat_spans 0.5) | head |" in md  # named by its --train flags
     assert "| heads + end-to-end (--train.batch_size 4 --train.lr 1e-3) | head |" in md
-    assert not zero["phase2_kept_attention"] and zero["phase2_far_weight"] == 0
+    assert not zero["phase2_kept_attention"] and zero["phase2_far_weight"] == AlignArgs.far_weight  # the default
 
 
 def test_row_label_names_what_changes_the_result():
-    """Flags that only change how a run is carried out (micro-batches, checkpoints, compile) stay out of its name."""
+    """A row is named by what departs from the defaults; flags that only change how a run is carried out
+    (micro-batches, checkpoints, compile) stay out of its name."""
     from taylor_calibrate.tradeoff import label
-    row = {"policy": "heads", "seed": 1, "phase2_far_weight": 16.0, "distill_tokens": 10,
+    row = {"policy": "heads", "seed": 1, "phase2_far_weight": AlignArgs.far_weight, "distill_tokens": 10,
            "distill_flags": "--data.seq_len 4096 --train.micro_batch_size 8 --train.far_weight 16 --train.compile=false"}
-    assert label(row) == "heads (seed 1) + far_weight 16 + end-to-end (--train.far_weight 16)"
+    assert label(row) == "heads (seed 1) + end-to-end (--train.far_weight 16)"
     assert label({**row, "distill_flags": "--train.micro_batch_size=8"}).endswith("end-to-end (defaults)")
-    assert label({**row, "distill_tokens": 0, "seed": 0}) == "heads + far_weight 16"
+    assert label({**row, "distill_tokens": 0, "seed": 0, "phase2_far_weight": 4.0}) == "heads + far_weight 4"
+    old = {k: v for k, v in row.items() if k != "phase2_far_weight"}  # recorded before the option: it was off
+    assert label({**old, "distill_tokens": 0}) == "heads (seed 1) + far_weight 0"
