@@ -300,10 +300,31 @@ def _fill(args, values: dict) -> None:
             setattr(args, key, value)
 
 
-def check_niah_tasks(tasks: list[str]) -> None:
-    bad = [t for t in tasks if t not in NIAH_TASKS]
-    if bad:
-        raise ValueError(f"niah_tasks {bad} unknown; choose from {list(NIAH_TASKS)}")
+@dataclass
+class NiahArgs:
+    """Needle-in-a-haystack options of the commands that score retrieval by generation (eval, recovery, tradeoff);
+    their flags stay flat (--niah_tasks, ...)."""
+
+    niah_tasks: list[str] = field(default_factory=lambda: list(NIAH_TASKS))
+    """NIAH tasks: "single" (one magic-number needle in prose), "multikey" (four, one asked), "passkey"."""
+    niah_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    """NIAH context lengths in tokens of the model's tokenizer (prompt + generated tokens); lengths beyond the
+    model's max_position_embeddings are skipped (null in the results)."""
+    niah_samples: int = 20
+    """NIAH prompts per task and length, needle depths spread evenly from start to end."""
+    niah_seed: int = 0
+    """Seed of the NIAH needles (keys, numbers); same seed, same prompts."""
+    niah_new_tokens: int = 16
+    """Tokens generated per prompt (greedy); a reply is right when the answer appears in them. RULER allows up to 128
+    for these tasks: a model that restates the question before answering needs more than 16."""
+
+    def check_niah(self) -> None:
+        bad = [t for t in self.niah_tasks if t not in NIAH_TASKS]
+        if bad:
+            raise ValueError(f"niah_tasks {bad} unknown; choose from {list(NIAH_TASKS)}")
+        if any(n < 64 for n in self.niah_lengths) or self.niah_samples < 1 or self.niah_new_tokens < 1:
+            raise ValueError(f"niah_lengths {self.niah_lengths} must all be >= 64 tokens, niah_samples "
+                             f"({self.niah_samples}) and niah_new_tokens ({self.niah_new_tokens}) >= 1")
 
 
 def check_batch(eval_batch_size: int) -> None:
@@ -443,7 +464,7 @@ def apply_profile(args, device_type: str) -> str:
 
 
 @dataclass
-class EvalArgs:
+class EvalArgs(NiahArgs):
     """`taylor-calibrate eval`: perplexity of a hybrid (and optionally its teacher) on held-out text; optionally
     long-context retrieval (NIAH), agreement with the teacher and lm-eval tasks."""
 
@@ -464,16 +485,7 @@ class EvalArgs:
     """Sequences per forward pass (perplexity, agreement, lm-eval) and prompts per generate call (NIAH)."""
     niah: bool = False
     """Score long-context retrieval (RULER-style needle-in-a-haystack, generated locally) on the model, and on the
-    teacher when --teacher is given."""
-    niah_tasks: list[str] = field(default_factory=lambda: ["single", "multikey", "passkey"])
-    """NIAH tasks: "single" (one magic-number needle in prose), "multikey" (four, one asked), "passkey"."""
-    niah_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
-    """NIAH context lengths in tokens of the model's tokenizer (prompt + answer); lengths beyond the model's
-    max_position_embeddings are skipped (null in report.json)."""
-    niah_samples: int = 20
-    """NIAH prompts per task and length, needle depths spread evenly from start to end."""
-    niah_seed: int = 0
-    """Seed of the NIAH needles (keys, numbers); same seed, same prompts."""
+    teacher when --teacher is given (--niah_* options)."""
     agreement: bool = False
     """Mean KL(teacher || model) and top-1 agreement on the held-out rows (needs --teacher)."""
     lm_eval_tasks: list[str] | None = None
@@ -492,10 +504,7 @@ class EvalArgs:
         check_batch(self.eval_batch_size)
         if self.agreement and not self.teacher:
             raise ValueError("--agreement compares the model with its teacher: pass --teacher too")
-        check_niah_tasks(self.niah_tasks)
-        if any(n < 64 for n in self.niah_lengths) or self.niah_samples < 1:
-            raise ValueError(f"niah_lengths {self.niah_lengths} must all be >= 64 tokens and niah_samples "
-                             f"({self.niah_samples}) >= 1")
+        self.check_niah()
         if self.lm_eval_include is not None and not Path(self.lm_eval_include).is_dir():
             raise FileNotFoundError(f"lm_eval_include={self.lm_eval_include!r} is not a directory of task YAML files")
         if self.lm_eval_limit is not None and self.lm_eval_limit < 1:
@@ -644,7 +653,7 @@ class TokenizeArgs:
 
 
 @dataclass
-class RecoveryArgs(PipelineArgs):
+class RecoveryArgs(PipelineArgs, NiahArgs):
     """`taylor-calibrate recovery`: tokens-to-matched-recovery of each init on each policy (docs/method.md, "Recovery
     distillation")."""
 
@@ -660,10 +669,9 @@ class RecoveryArgs(PipelineArgs):
     """More "<policy>:<init>" runs (the reference's init on one policy)."""
     train: TrainArgs = field(default_factory=TrainArgs)
     niah: bool = True
-    """Needle-in-a-haystack retrieval along each run (`niah_points` times) and of the teacher."""
-    niah_tasks: list[str] = field(default_factory=lambda: list(NIAH_TASKS))
-    niah_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    """Needle-in-a-haystack retrieval along each run (`niah_points` times) and of the teacher (--niah_* options)."""
     niah_samples: int = 4
+    """NIAH prompts per task and length (few: they are scored at every point of every run)."""
     niah_points: int = 2
     """Score NIAH at this many points of each run, evenly spaced in steps, start and end included (>= 2)."""
     time_limit_s: float | None = None
@@ -674,13 +682,13 @@ class RecoveryArgs(PipelineArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        check_niah_tasks(self.niah_tasks)
+        self.check_niah()
         if self.niah_points < 2:
             raise ValueError(f"niah_points={self.niah_points} must be >= 2 (start and end)")
 
 
 @dataclass
-class TradeoffArgs(PipelineArgs):
+class TradeoffArgs(PipelineArgs, NiahArgs):
     """`taylor-calibrate tradeoff`: the retrieval / perplexity trade-off of conversions over KV budgets and policies."""
 
     out: str = "out/tradeoff"
@@ -693,11 +701,6 @@ class TradeoffArgs(PipelineArgs):
     """Conversion seeds (--seed and --phase2.seed): seeds other than 0 repeat `seed_policy` at `seed_budget`."""
     seed_policy: str = "heads"
     seed_budget: float = 0.25
-    niah_tasks: list[str] = field(default_factory=lambda: list(NIAH_TASKS))
-    niah_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
-    niah_samples: int = 20
-    """NIAH prompts per task and length."""
-    niah_seed: int = 0
     logprob_length: int = 4096
     """Length of the teacher-forced answer probes (8 per task; capped by the teacher's context)."""
     distill_tokens: int = 0
@@ -711,11 +714,11 @@ class TradeoffArgs(PipelineArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        check_niah_tasks(self.niah_tasks)
+        self.check_niah()
         if not all(0 < b < 1 for b in [*self.budgets, self.seed_budget]):
             raise ValueError(f"budgets {self.budgets} and seed_budget {self.seed_budget} must be fractions in (0, 1)")
-        if self.niah_samples < 1 or self.distill_tokens < 0 or not self.distill:
-            raise ValueError("niah_samples must be >= 1, distill_tokens >= 0 and distill a list of flag strings")
+        if self.distill_tokens < 0 or not self.distill:
+            raise ValueError("distill_tokens must be >= 0 and distill a list of flag strings")
 
 
 EXPORT_FORMATS = ("qwen3_5", "gguf")

@@ -211,7 +211,7 @@ def run_eval(args: EvalArgs) -> dict:
         times["agreement_s"] = time.perf_counter() - t
     if args.niah:  # both models read the same prompts: built from the model's tokenizer
         niah = dict(tasks=args.niah_tasks, lengths=args.niah_lengths, samples=args.niah_samples, seed=args.niah_seed,
-                    batch_size=args.eval_batch_size)
+                    batch_size=args.eval_batch_size, max_new_tokens=args.niah_new_tokens)
         t = time.perf_counter()
         answers = {"model": []}
         report["niah"] = niah_scores(model, tokenizer, **niah, desc="model niah", answers=answers["model"])
@@ -246,6 +246,7 @@ def run_eval(args: EvalArgs) -> dict:
              ("wall time", f"{report['wall_s']:.1f} s"), ("output", str(out / REPORT))]
     print_table(rows)
     if "niah" in report:
-        print(f"\n  ({args.niah_samples} samples per cell, greedy, answer in the continuation)")
+        print(f"\n  ({args.niah_samples} samples per cell, greedy, answer in the {args.niah_new_tokens} tokens "
+              f"generated)")
         print_niah({"model": report["niah"], **({"teacher": report["teacher_niah"]} if teacher is not None else {})})
     return report

@@ -214,7 +214,8 @@ def _niah(model, tokenizer, args, device, desc):
         return None
     with _eager(), autocast(device):
         return niah_scores(model, tokenizer, tasks=args.niah_tasks, lengths=args.niah_lengths,
-                           samples=args.niah_samples, batch_size=args.niah_samples, max_new_tokens=12, desc=desc)
+                           samples=args.niah_samples, seed=args.niah_seed, batch_size=args.niah_samples,
+                           max_new_tokens=args.niah_new_tokens, desc=desc)
 
 
 def niah_steps(steps: int, points: int) -> list[int]:

@@ -38,7 +38,7 @@ def _niah(model, tokenizer, args: TradeoffArgs, name: str) -> dict:
     answers = []
     scores = niah_scores(model, tokenizer, tasks=args.niah_tasks, lengths=args.niah_lengths,
                          samples=args.niah_samples, seed=args.niah_seed, batch_size=args.eval_batch_size,
-                         answers=answers)
+                         max_new_tokens=args.niah_new_tokens, answers=answers)
     write_text(Path(args.out) / "answers" / f"{name}.jsonl", "".join(json.dumps(a) + "\n" for a in answers))
     return {"niah": scores, "niah_distractor": reply_rates(answers, "distractor"),
             "niah_no_number": reply_rates(answers, "no_number")}

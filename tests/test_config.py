@@ -4,6 +4,7 @@ import logging
 from dataclasses import fields
 
 import pytest
+import torch
 
 from taylor_calibrate.config import (PROFILE_DIR, PROFILES, AlignArgs, ConvertArgs, DataArgs, DistillArgs, TrainArgs,
                                      apply_profile, apply_train_profile, load_profile)
@@ -46,3 +47,30 @@ def test_a_profile_fills_only_unset_options():
 def test_unknown_profile_is_an_error():
     with pytest.raises(ValueError, match="profile='huge'"):
         ConvertArgs(profile="huge")
+
+
+@pytest.mark.parametrize("cls, samples", [("EvalArgs", 20), ("RecoveryArgs", 4), ("TradeoffArgs", 20)])
+def test_niah_options_are_one_set_checked_alike(cls, samples):
+    """eval, recovery and tradeoff take the same --niah_* options (own sample defaults) with the same checks."""
+    import taylor_calibrate.config as config
+    make = (lambda **kw: config.EvalArgs(model="m", **kw)) if cls == "EvalArgs" else getattr(config, cls)
+    args = make()
+    assert isinstance(args, config.NiahArgs) and args.niah_samples == samples and args.niah_new_tokens == 16
+    for bad in ({"niah_tasks": ["haystack"]}, {"niah_lengths": [32]}, {"niah_samples": 0}, {"niah_new_tokens": 0}):
+        with pytest.raises(ValueError, match="niah_"):
+            make(**bad)
+
+
+@pytest.mark.parametrize("module", ["recovery", "tradeoff"])
+def test_niah_generation_budget_and_seed_reach_the_scorer(module, monkeypatch, tmp_path):
+    import importlib
+
+    from taylor_calibrate.config import RecoveryArgs, TradeoffArgs
+    mod = importlib.import_module(f"taylor_calibrate.{module}")
+    seen = {}
+    monkeypatch.setattr(mod, "niah_scores", lambda model, tok, **kw: seen.update(kw) or {})
+    if module == "recovery":
+        mod._niah(torch.nn.Linear(1, 1), None, RecoveryArgs(niah_new_tokens=64, niah_seed=3), torch.device("cpu"), "x")
+    else:
+        mod._niah(torch.nn.Linear(1, 1), None, TradeoffArgs(niah_new_tokens=64, niah_seed=3, out=str(tmp_path)), "x")
+    assert seen["max_new_tokens"] == 64 and seen["seed"] == 3
