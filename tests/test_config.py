@@ -6,8 +6,9 @@ from dataclasses import fields
 import pytest
 import torch
 
-from taylor_calibrate.config import (PROFILE_DIR, PROFILES, AlignArgs, ConvertArgs, DataArgs, DistillArgs, TrainArgs,
-                                     apply_profile, apply_train_profile, load_profile)
+from taylor_calibrate.config import (PROFILE_DIR, PROFILES, AlignArgs, ConvertArgs, DataArgs, DistillArgs, EvalArgs,
+                                     NiahArgs, RecoveryArgs, TradeoffArgs, TrainArgs, apply_profile,
+                                     apply_train_profile, load_profile)
 
 
 def test_profiles_are_the_shipped_yaml_files_and_name_only_real_options():
@@ -49,13 +50,11 @@ def test_unknown_profile_is_an_error():
         ConvertArgs(profile="huge")
 
 
-@pytest.mark.parametrize("cls, samples", [("EvalArgs", 20), ("RecoveryArgs", 4), ("TradeoffArgs", 20)])
-def test_niah_options_are_one_set_checked_alike(cls, samples):
+@pytest.mark.parametrize("make, samples", [(EvalArgs, 20), (RecoveryArgs, 4), (TradeoffArgs, 20)])
+def test_niah_options_are_one_set_checked_alike(make, samples):
     """eval, recovery and tradeoff take the same --niah_* options (own sample defaults) with the same checks."""
-    import taylor_calibrate.config as config
-    make = (lambda **kw: config.EvalArgs(model="m", **kw)) if cls == "EvalArgs" else getattr(config, cls)
     args = make()
-    assert isinstance(args, config.NiahArgs) and args.niah_samples == samples and args.niah_new_tokens == 16
+    assert isinstance(args, NiahArgs) and args.niah_samples == samples and args.niah_new_tokens == 16
     for bad in ({"niah_tasks": ["haystack"]}, {"niah_lengths": [32]}, {"niah_samples": 0}, {"niah_new_tokens": 0}):
         with pytest.raises(ValueError, match="niah_"):
             make(**bad)
@@ -63,9 +62,8 @@ def test_niah_options_are_one_set_checked_alike(cls, samples):
 
 @pytest.mark.parametrize("module", ["recovery", "tradeoff"])
 def test_niah_generation_budget_and_seed_reach_the_scorer(module, monkeypatch, tmp_path):
+    """recovery and tradeoff score NIAH with the --niah_new_tokens and --niah_seed they were given."""
     import importlib
-
-    from taylor_calibrate.config import RecoveryArgs, TradeoffArgs
     mod = importlib.import_module(f"taylor_calibrate.{module}")
     seen = {}
     monkeypatch.setattr(mod, "niah_scores", lambda model, tok, **kw: seen.update(kw) or {})
