@@ -235,29 +235,30 @@ def plot_curves(result: dict, path: Path) -> None:
     policies = list(result["policies"])
     niah = any(isinstance(r, dict) and r.get("niah_curve") for rs in result["policies"].values() for r in rs.values())
     fig, axes = plt.subplots(1 + niah, len(policies), figsize=(5 * len(policies), 4 * (1 + niah)), squeeze=False)
+    styles = ("-", "--", ":", "-.")  # one colour per init (as in the loss panel), one line style per length
     for ax, policy in zip(axes[1] if niah else [], policies):
-        for init, run in result["policies"][policy].items():
+        for color, (init, run) in enumerate(result["policies"][policy].items()):
             if isinstance(run, dict) and run.get("niah_curve"):
-                for n in result["niah_lengths"]:
+                for n, ls in zip(result["niah_lengths"], styles * len(result["niah_lengths"])):
                     ax.plot([r["tokens"] / 1e6 for r in run["niah_curve"]],
-                            [_mean_at(r["scores"], n) for r in run["niah_curve"]], marker="o", ms=3,
-                            label=f"{init}, {n // 1024}K" if n >= 1024 else f"{init}, {n}")
+                            [_mean_at(r["scores"], n) for r in run["niah_curve"]], marker="o", ms=3, ls=ls,
+                            color=f"C{color}", label=f"{init}, {n // 1024}K" if n >= 1024 else f"{init}, {n}")
         ax.set_title(f"{policy}: NIAH (mean of {', '.join(result.get('niah_tasks') or ['tasks'])})")
         ax.set_xlabel("distillation tokens (M)")
         ax.set_ylabel("accuracy")
         ax.set_ylim(-0.05, 1.05)
         if ax.lines:  # a policy none of whose runs has finished yet has nothing to label
             ax.legend(fontsize=7)
-    for ax, policy in zip(axes[0], policies):
-        for init, run in result["policies"][policy].items():
+    for ax, policy in zip(axes[0], policies):  # the loss above the teacher's, log scale: inits far apart stay readable
+        for color, (init, run) in enumerate(result["policies"][policy].items()):
             if isinstance(run, dict) and "tokens" in run:
-                ax.plot([t / 1e6 for t in run["tokens"]], run["heldout_loss"], marker="o", ms=3, label=init)
-        ax.axhline(result["teacher_loss"], color="k", ls="--", lw=1, label="teacher")
+                gap = [max(loss - result["teacher_loss"], 1e-4) for loss in run["heldout_loss"]]
+                ax.plot([t / 1e6 for t in run["tokens"]], gap, marker="o", ms=3, color=f"C{color}", label=init)
         kv = (result.get("kv_fraction") or {}).get(policy)
         ax.set_title(f"{policy} ({len(result['kept'][policy])} attention layers kept)" if kv is None
                      else f"{policy} ({kv:.0%} of the KV cache kept)")
         ax.set_xlabel("distillation tokens (M)")
-        ax.set_ylabel("held-out loss (nats/token)")
+        ax.set_ylabel(f"held-out loss - teacher's {result['teacher_loss']:.3f} (nats/token)")
         ax.set_yscale("log")
         ax.legend(fontsize=8)
     fig.tight_layout()
