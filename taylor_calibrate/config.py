@@ -14,7 +14,7 @@ import yaml
 from transformers import PreTrainedConfig
 
 from taylor_calibrate.data import CorpusSpec
-from taylor_calibrate.retrieval import TASKS as NIAH_TASKS
+from taylor_calibrate.retrieval import LENGTHS as NIAH_LENGTHS, NEW_TOKENS as NIAH_NEW_TOKENS, TASKS as NIAH_TASKS
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -307,16 +307,16 @@ class NiahArgs:
 
     niah_tasks: list[str] = field(default_factory=lambda: list(NIAH_TASKS))
     """NIAH tasks: "single" (one magic-number needle in prose), "multikey" (four, one asked), "passkey"."""
-    niah_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    niah_lengths: list[int] = field(default_factory=lambda: list(NIAH_LENGTHS))
     """NIAH context lengths in tokens of the model's tokenizer (prompt + generated tokens); lengths beyond the
     model's max_position_embeddings are skipped (null in the results)."""
     niah_samples: int = 20
     """NIAH prompts per task and length, needle depths spread evenly from start to end."""
     niah_seed: int = 0
     """Seed of the NIAH needles (keys, numbers); same seed, same prompts."""
-    niah_new_tokens: int = 16
+    niah_new_tokens: int = NIAH_NEW_TOKENS
     """Tokens generated per prompt (greedy); a reply is right when the answer appears in them. RULER allows up to 128
-    for these tasks: a model that restates the question before answering needs more than 16."""
+    for these tasks: a model that restates the question before answering needs room to get to the answer."""
 
     def check_niah(self) -> None:
         bad = [t for t in self.niah_tasks if t not in NIAH_TASKS]

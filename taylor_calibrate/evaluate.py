@@ -23,7 +23,7 @@ from taylor_calibrate.data import load_splits
 from taylor_calibrate.export import REPORT, load_model
 from taylor_calibrate.results import record, write_text
 from taylor_calibrate.ops import resolve_backend
-from taylor_calibrate.retrieval import niah_scores, reply_rates
+from taylor_calibrate.retrieval import REPLY_KINDS, niah_scores, reply_rates
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 NIAH_ANSWERS = "niah_answers.jsonl"
@@ -222,7 +222,7 @@ def run_eval(args: EvalArgs) -> dict:
             report["teacher_niah"] = niah_scores(teacher.model, tokenizer, **niah, desc="teacher niah",
                                                  answers=answers["teacher"])
             times["teacher_niah_s"] = time.perf_counter() - t
-        for kind in ("distractor", "no_number"):
+        for kind in REPLY_KINDS:
             report[f"niah_{kind}"] = {who: reply_rates(a, kind) for who, a in answers.items()}
         write_text(out / NIAH_ANSWERS, "".join(json.dumps({"model": who, **r}) + "\n"
                                               for who, a in answers.items() for r in a))

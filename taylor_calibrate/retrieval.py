@@ -35,6 +35,9 @@ log = logging.getLogger("taylor_calibrate")
 TASKS = ("single", "multikey", "passkey")
 LENGTHS = (1024, 2048, 4096, 8192)
 MULTIKEY_NEEDLES = 4  # one asked + three distractors (RULER's niah_multikey_1)
+NEW_TOKENS = 64
+"""Tokens generated per NIAH prompt. RULER allows up to 128 for these tasks; a model that restates the question
+before it answers needs more than a handful (docs/decisions.md, "NIAH reply budget")."""
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _MAGIC_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
@@ -161,7 +164,7 @@ def most_that_fit(count, budget: int, fixed: int) -> int:
     return lo
 
 
-def make_sample(task: str, tokenizer, length: int, depth: float, rng: random.Random, max_new_tokens: int = 16,
+def make_sample(task: str, tokenizer, length: int, depth: float, rng: random.Random, max_new_tokens: int = NEW_TOKENS,
                 words: tuple[str, ...] | None = None) -> Sample:
     """One prompt of `length - max_new_tokens` tokens (at most, and `tolerance` fewer at least); `words`: another
     haystack text (see `_haystack`)."""
@@ -185,7 +188,7 @@ def depths(samples: int) -> list[float]:
     return [0.5] if samples == 1 else [i / (samples - 1) for i in range(samples)]
 
 
-def make_samples(task: str, tokenizer, length: int, samples: int, seed: int = 0, max_new_tokens: int = 16,
+def make_samples(task: str, tokenizer, length: int, samples: int, seed: int = 0, max_new_tokens: int = NEW_TOKENS,
                  words: tuple[str, ...] | None = None) -> list[Sample]:
     """`samples` prompts of one task and length; the same arguments always give the same prompts."""
     rng = random.Random(f"niah:{seed}:{task}:{length}")  # str seeds are hashed with sha512: stable across runs
@@ -193,7 +196,7 @@ def make_samples(task: str, tokenizer, length: int, samples: int, seed: int = 0,
 
 
 @torch.no_grad()
-def generate_continuations(model, tokenizer, prompts: list[str], max_new_tokens: int = 16, batch_size: int = 1,
+def generate_continuations(model, tokenizer, prompts: list[str], max_new_tokens: int = NEW_TOKENS, batch_size: int = 1,
                            progress=None) -> list[str]:
     """Greedy continuations of `prompts`, decoded; batches are left-padded (prompts of a (task, length) differ by
     a few tokens only). Works for the hybrid (its own cache) and for any HF causal LM."""
@@ -218,25 +221,34 @@ def generate_continuations(model, tokenizer, prompts: list[str], max_new_tokens:
     return out
 
 
-def accuracy(model, tokenizer, samples: list[Sample], max_new_tokens: int = 16, batch_size: int = 1,
+def accuracy(model, tokenizer, samples: list[Sample], max_new_tokens: int = NEW_TOKENS, batch_size: int = 1,
              progress=None, answers: list | None = None) -> float:
     """Fraction of samples whose greedy continuation contains the answer. `answers`, when given, gets one record per
-    sample: what it asked, what the model said, whether that was right, a distractor's answer (multikey), or no
-    number at all (the model did not answer in the needle's form within `max_new_tokens`)."""
+    sample: what it asked, what the model said, whether that was right, whether the reply's first number is the
+    answer (a stricter score: a reply that lists several numbers is right only if it starts with the answer), a
+    distractor's answer (multikey), or no number at all (the model did not answer in the needle's form within
+    `max_new_tokens`)."""
     texts = generate_continuations(model, tokenizer, [s.prompt for s in samples], max_new_tokens, batch_size, progress)
     right = [s.answer in t for s, t in zip(samples, texts)]
     if answers is not None:
         for s, t, r in zip(samples, texts, right):
             confused = (not r and any(d in t for d in s.distractors)) if s.distractors else None
+            first = re.search(r"\d+", t)
             answers.append({"task": s.task, "length": s.length, "depth": s.depth, "answer": s.answer, "output": t,
-                            "right": r, "distractor": confused, "no_number": not any(c.isdigit() for c in t)})
+                            "right": r, "first_right": first is not None and first.group() == s.answer,
+                            "distractor": confused, "no_number": first is None})
     return sum(right) / len(samples)
+
+
+REPLY_KINDS = ("first_right", "distractor", "no_number")
+"""What `reply_rates` can count, beside the accuracy, in every report that scores NIAH by generation."""
 
 
 def reply_rates(answers: list[dict], kind: str) -> dict:
     """{task: {str(length): share of its replies with `kind` true}} over the records `accuracy` wrote, for the tasks
-    where `kind` applies. "distractor" (multikey): the keys confused rather than nothing retrieved; "no_number": no
-    answer in the needle's form at all, a failure of the reply's form that a wrong number is not."""
+    where `kind` applies. "first_right": the strict accuracy (the reply's first number is the answer); "distractor"
+    (multikey): the keys confused rather than nothing retrieved; "no_number": no answer in the needle's form at
+    all, a failure of the reply's form that a wrong number is not."""
     cells: dict = {}
     for a in answers:
         if a.get(kind) is not None:
@@ -245,7 +257,7 @@ def reply_rates(answers: list[dict], kind: str) -> dict:
 
 
 def niah_scores(model, tokenizer, tasks=TASKS, lengths=LENGTHS, samples: int = 20, seed: int = 0,
-                batch_size: int = 1, max_new_tokens: int = 16, desc: str = "niah", answers: list | None = None) -> dict:
+                batch_size: int = 1, max_new_tokens: int = NEW_TOKENS, desc: str = "niah", answers: list | None = None) -> dict:
     """{task: {str(length): accuracy}}; a length beyond the model's max_position_embeddings is None (logged).
     `answers`: see `accuracy`.
 
@@ -273,6 +285,10 @@ def niah_scores(model, tokenizer, tasks=TASKS, lengths=LENGTHS, samples: int = 2
 
 
 # --- teacher-forced retrieval score: cheap enough to drive layer and head selection -----------------------------
+PROBE_ROOM = 16
+"""Tokens a probe's prompt leaves free below its length, for the appended answer (a few tokens): fixed, so the
+probes, and the layers and heads they select, do not move with the NIAH reply budget."""
+
 CALIB_SEED = 1_000_003
 """Seed of the calibration probes; evaluation uses --niah_seed (0 by default): different needles, and calibration
 probes also read a different haystack (the calibration documents), so selection never sees an evaluation prompt."""
@@ -317,7 +333,7 @@ def calibration_probes(tokenizer, words: tuple[str, ...], tasks=TASKS, length: i
     """Retrieval probes for selection: `samples` per task at `length` tokens, needles at evenly spread depths, in a
     haystack of `words` (the calibration documents), with needles from `seed`."""
     return [make_probe(s, tokenizer) for t in tasks for s in make_samples(t, tokenizer, length, samples, seed,
-                                                                       words=words)]
+                                                                       PROBE_ROOM, words)]
 
 
 PROBE_MIN_LENGTH = 256
@@ -334,8 +350,9 @@ def probe_length(seq_len: int, config) -> int:
 
 
 def eval_probes(tokenizer, length: int, samples: int = 8, tasks=TASKS, seed: int = 0) -> list[Probe]:
-    """Retrieval probes for reporting: the evaluation haystack and needles (as `niah_scores` with the same seed)."""
-    return [make_probe(s, tokenizer) for t in tasks for s in make_samples(t, tokenizer, length, samples, seed)]
+    """Retrieval probes for reporting: the evaluation haystack and the needles `niah_scores` uses with the same seed."""
+    return [make_probe(s, tokenizer) for t in tasks for s in make_samples(t, tokenizer, length, samples, seed,
+                                                                       PROBE_ROOM)]
 
 
 @torch.no_grad()

@@ -26,22 +26,22 @@ from taylor_calibrate.distill import distill
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.results import record, write_text
-from taylor_calibrate.retrieval import answer_scores, eval_probes, niah_scores, probe_length, reply_rates
+from taylor_calibrate.retrieval import (REPLY_KINDS, answer_scores, eval_probes, niah_scores, probe_length,
+                                       reply_rates)
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 RESULT = "tradeoff.json"
 
 
 def _niah(model, tokenizer, args: TradeoffArgs, name: str) -> dict:
-    """{"niah": accuracies, "niah_distractor": multikey's key confusions, "niah_no_number": replies without a
-    number}; every answer to <out>/answers/<name>.jsonl."""
+    """{"niah": accuracies, "niah_<kind>": the share of replies of each `retrieval.REPLY_KINDS`}; every answer to
+    <out>/answers/<name>.jsonl."""
     answers = []
     scores = niah_scores(model, tokenizer, tasks=args.niah_tasks, lengths=args.niah_lengths,
                          samples=args.niah_samples, seed=args.niah_seed, batch_size=args.eval_batch_size,
                          max_new_tokens=args.niah_new_tokens, answers=answers)
     write_text(Path(args.out) / "answers" / f"{name}.jsonl", "".join(json.dumps(a) + "\n" for a in answers))
-    return {"niah": scores, "niah_distractor": reply_rates(answers, "distractor"),
-            "niah_no_number": reply_rates(answers, "no_number")}
+    return {"niah": scores, **{f"niah_{kind}": reply_rates(answers, kind) for kind in REPLY_KINDS}}
 
 
 def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str, tag: str,

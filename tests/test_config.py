@@ -6,7 +6,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from taylor_calibrate.config import (PROFILE_DIR, PROFILES, AlignArgs, ConvertArgs, DataArgs, DistillArgs, EvalArgs,
+from taylor_calibrate.config import (NIAH_NEW_TOKENS, PROFILE_DIR, PROFILES, AlignArgs, ConvertArgs, DataArgs, DistillArgs, EvalArgs,
                                      NiahArgs, RecoveryArgs, TradeoffArgs, TrainArgs, apply_profile,
                                      apply_train_profile, load_profile)
 
@@ -54,7 +54,7 @@ def test_unknown_profile_is_an_error():
 def test_niah_options_are_one_set_checked_alike(make, samples):
     """eval, recovery and tradeoff take the same --niah_* options (own sample defaults) with the same checks."""
     args = make()
-    assert isinstance(args, NiahArgs) and args.niah_samples == samples and args.niah_new_tokens == 16
+    assert isinstance(args, NiahArgs) and args.niah_samples == samples and args.niah_new_tokens == NIAH_NEW_TOKENS
     for bad in ({"niah_tasks": ["haystack"]}, {"niah_lengths": [32]}, {"niah_samples": 0}, {"niah_new_tokens": 0}):
         with pytest.raises(ValueError, match="niah_"):
             make(**bad)

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from taylor_calibrate.retrieval import (TASKS, accuracy, generate_continuations, make_sample,
+from taylor_calibrate.retrieval import (NEW_TOKENS, TASKS, accuracy, generate_continuations, make_sample,
                                         make_samples, niah_scores, reply_rates, tolerance)
 from conftest import tiny_teacher
 
@@ -44,7 +44,7 @@ def test_needle_holds_the_answer_at_its_depth(task, smollm2_tokenizer):
 
 @pytest.mark.parametrize("length", [1024, 2048])
 def test_prompt_fills_the_length_in_real_tokens(length, smollm2_tokenizer):
-    budget = length - 16  # room for the 16 generated tokens
+    budget = length - NEW_TOKENS  # room for the generated tokens
     for task in TASKS:
         for s in make_samples(task, smollm2_tokenizer, length, 2):
             n = len(smollm2_tokenizer(s.prompt)["input_ids"])
@@ -60,13 +60,15 @@ def test_too_short_length_is_a_clear_error(smollm2_tokenizer):
 
 class StubLM(torch.nn.Module):
     """Answers every prompt by reading the asked needle out of it (oracle), with a wrong number, (`confuse`) with
-    another key's number where there is one, or (`mute`) with words and no number."""
+    another key's number where there is one, (`mute`) with words and no number, or (`late`) with a wrong number
+    before the answer."""
 
-    def __init__(self, tokenizer, right: bool, max_positions: int = 4096, confuse: bool = False, mute: bool = False):
+    def __init__(self, tokenizer, right: bool, max_positions: int = 4096, confuse: bool = False, mute: bool = False,
+                 late: bool = False):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
         self.config = type("Config", (), {"max_position_embeddings": max_positions})()
-        self.tok, self.right, self.confuse, self.mute, self.calls = tokenizer, right, confuse, mute, []
+        self.tok, self.right, self.confuse, self.mute, self.late, self.calls = tokenizer, right, confuse, mute, late, []
 
     def generate(self, input_ids, attention_mask, max_new_tokens, **kw):
         self.calls.append(tuple(input_ids.shape))
@@ -82,9 +84,21 @@ class StubLM(torch.nn.Module):
                 answer = others[0]
             if self.mute:
                 answer = "\nthe special magic number for the key"
+            if self.late:
+                answer = f"1234 or {answer}"
             new = self.tok(f" {answer}.", add_special_tokens=False)["input_ids"][:max_new_tokens]
             rows.append(new + [kw["pad_token_id"]] * (max_new_tokens - len(new)))
         return torch.cat([input_ids, torch.tensor(rows)], 1)
+
+
+def test_strict_score_wants_the_answer_as_the_replys_first_number(smollm2_tokenizer):
+    """A reply that holds the answer after another number is right, but not by the strict (first number) score."""
+    for late, first in ((False, 1.0), (True, 0.0)):
+        answers = []
+        scores = niah_scores(StubLM(smollm2_tokenizer, True, late=late), smollm2_tokenizer, lengths=(512,), samples=2,
+                             answers=answers)
+        assert scores == {t: {"512": 1.0} for t in TASKS}
+        assert reply_rates(answers, "first_right") == {t: {"512": first} for t in TASKS}
 
 
 def test_scores_one_for_right_answers_zero_for_wrong(smollm2_tokenizer):
