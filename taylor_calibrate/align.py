@@ -234,7 +234,8 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
 
 
 @torch.no_grad()
-def kept_read_factors(teacher, kept_groups: dict[int, list[int]], layers, rtol: float = 1e-3) -> dict[int, Tensor | None]:
+def kept_read_factors(teacher, kept_groups: dict[int, list[int]], layers,
+                      rtol: float = 1e-3) -> dict[int, Tensor | None]:
     """{layer l: A (hidden, r) or None} for phase 2's `--phase2.read_weight`: ||e A||^2 is how far an output error e of
     GDN layer l moves the queries, keys and values of the attention heads kept in the layers after it (the KV groups
     `kept_groups` keeps, {layer: groups}): A A^T = c sum_j W_j^T W_j, W_j the rows of q_proj, k_proj and v_proj those

@@ -257,7 +257,8 @@ def reply_rates(answers: list[dict], kind: str) -> dict:
 
 
 def niah_scores(model, tokenizer, tasks=TASKS, lengths=LENGTHS, samples: int = 20, seed: int = 0,
-                batch_size: int = 1, max_new_tokens: int = NEW_TOKENS, desc: str = "niah", answers: list | None = None) -> dict:
+                batch_size: int = 1, max_new_tokens: int = NEW_TOKENS, desc: str = "niah",
+                answers: list | None = None) -> dict:
     """{task: {str(length): accuracy}}; a length beyond the model's max_position_embeddings is None (logged).
     `answers`: see `accuracy`.
 

@@ -252,8 +252,8 @@ def test_stacked_layers_train_as_if_alone(teacher_data, monkeypatch):
 
 # the defaults, the plain mean over positions at a constant rate, position weights (--phase2.far_weight), and read
 # metrics of different widths per layer (--phase2.read_weight)
-@pytest.mark.parametrize("sink_weight,schedule,weighted,read", [(64.0, "wsd", False, False), (1.0, "constant", False, False),
-                                                                (64.0, "wsd", True, False), (64.0, "wsd", False, True)])
+@pytest.mark.parametrize("sink_weight,schedule,weighted,read", [
+    (64.0, "wsd", False, False), (1.0, "constant", False, False), (64.0, "wsd", True, False), (64.0, "wsd", False, True)])
 def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight, schedule, weighted, read):
     """The vmapped stack (all layers' projections, convs and gates batched; parameters as slices of one tensor; clipping
     per layer) computes what a plain loop does for each layer alone: mixer forward, MSE with the first position

@@ -6,9 +6,9 @@ from dataclasses import fields
 import pytest
 import torch
 
-from taylor_calibrate.config import (NIAH_NEW_TOKENS, PROFILE_DIR, PROFILES, AlignArgs, ConvertArgs, DataArgs, DistillArgs, EvalArgs,
-                                     NiahArgs, RecoveryArgs, TradeoffArgs, TrainArgs, apply_profile,
-                                     apply_train_profile, load_profile)
+from taylor_calibrate.config import (NIAH_NEW_TOKENS, PROFILE_DIR, PROFILES, AlignArgs, ConvertArgs, DataArgs,
+                                     DistillArgs, EvalArgs, NiahArgs, RecoveryArgs, TradeoffArgs, TrainArgs,
+                                     apply_profile, apply_train_profile, load_profile)
 
 
 def test_profiles_are_the_shipped_yaml_files_and_name_only_real_options():
