@@ -143,11 +143,9 @@ def _check_data(mixers, inputs, targets) -> int:
 
 
 def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], targets: dict[int, Tensor],
-                 args: AlignArgs, *, eval_rows: int | None = None, weights: dict[int, Tensor] | None = None,
-                 reads: dict[int, Tensor | None] | None = None) -> dict:
+                 args: AlignArgs, *, eval_rows: int | None = None, weights: dict[int, Tensor] | None = None) -> dict:
     """Train every mixer (in place) to reproduce its layer's teacher attention output; `weights`: optional (N, T)
-    loss weights of each layer's positions (stats.far_weights); `reads`: optional (hidden, r) factors of each layer's
-    error metric (kept_read_factors), weighted by args.read_weight. Returns the report
+    loss weights of each layer's positions (stats.far_weights). Returns the report
 
         {"layers": {l: {"rel_mse_before", "rel_mse_after", "best_step", "diverged_at", "best_eval_rel_mse",
                         "best_train_loss", "best_train_step", "trained_params"}},
@@ -182,8 +180,7 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
     train = None
     try:
         st = {l: _LayerState(l, mixers[l], inputs[l], targets[l], n_eval, batch, args,
-                             None if weights is None else weights[l], None if reads is None else reads.get(l))
-              for l in layers}
+                             None if weights is None else weights[l]) for l in layers}
         train = _Training(list(st.values()), args)
         before = {l: st[l].evaluate(0) for l in layers}
         bar = tqdm(range(1, args.steps + 1), desc="align", leave=False, disable=args.steps == 0)
@@ -233,46 +230,6 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
     return report
 
 
-@torch.no_grad()
-def kept_read_factors(teacher, kept_groups: dict[int, list[int]], layers,
-                      rtol: float = 1e-3) -> dict[int, Tensor | None]:
-    """{layer l: A (hidden, r) or None} for phase 2's `--phase2.read_weight`: ||e A||^2 is how far an output error e of
-    GDN layer l moves the queries, keys and values of the attention heads kept in the layers after it (the KV groups
-    `kept_groups` keeps, {layer: groups}): A A^T = c sum_j W_j^T W_j, W_j the rows of q_proj, k_proj and v_proj those
-    heads read with, times input_layernorm's scale. c makes trace(A A^T) = hidden, so an error of one size in every
-    direction costs what the plain MSE charges. Directions below rtol of the largest are dropped (rank r <= hidden).
-    None: no kept head after l."""
-    from taylor_calibrate.model.hybrid import group_heads, head_dim_of
-
-    cfg, blocks = teacher.config, teacher.model.layers
-    D = head_dim_of(cfg)
-    grams, total = {}, None
-    for j in sorted(range(len(blocks)), reverse=True):  # suffix sums: the heads after l, for every l at once
-        grams[j] = total
-        groups = kept_groups.get(j) or []
-        if not groups:
-            continue
-        attn = blocks[j].self_attn
-        scale = blocks[j].input_layernorm(torch.ones(1, cfg.hidden_size, device=attn.q_proj.weight.device,
-                                                     dtype=attn.q_proj.weight.dtype))[0].float()
-        q_rows = [h * D + i for h in group_heads(cfg, groups) for i in range(D)]
-        kv_rows = [g * D + i for g in groups for i in range(D)]
-        w = torch.cat([attn.q_proj.weight[q_rows], attn.k_proj.weight[kv_rows], attn.v_proj.weight[kv_rows]]).float()
-        g = (w * scale).T @ (w * scale)
-        total = g if total is None else total + g
-    out = {}
-    for l in layers:
-        m = grams.get(l)
-        if m is None:
-            out[l] = None
-            continue
-        lam, vec = torch.linalg.eigh(m)
-        keep = lam > rtol * lam.max()
-        a = vec[:, keep] * lam[keep].sqrt()
-        out[l] = (a * (m.shape[0] / lam[keep].sum()).sqrt()).cpu()
-    return out
-
-
 class _Staging:
     """Moves a step's rows to the layer's device. Rows stored in host memory for a CUDA layer (stats.store_device_for:
     too many for the GPU) are gathered into a few rotating page-locked buffers and copied asynchronously: a copy from
@@ -307,7 +264,7 @@ class _LayerState:
     """One layer's trained parameters, evaluation rows, best state and divergence record."""
 
     def __init__(self, layer: int, mixer: GatedDeltaNet, x: Tensor, y: Tensor, n_eval: int, batch: int,
-                 args: AlignArgs, w: Tensor | None = None, read: Tensor | None = None):
+                 args: AlignArgs, w: Tensor | None = None):
         self.layer, self.mixer, self.x, self.y, self.w = layer, mixer, x, y, w
         self.eval_x, self.eval_y, self.eval_batch = x[:n_eval], y[:n_eval], batch
         for p in mixer.parameters():
@@ -319,7 +276,6 @@ class _LayerState:
             p.requires_grad_(True)
         self.num_trained = sum(p.numel() for p in self.params)
         self.device = self.params[0].device if self.params else next(mixer.parameters()).device
-        self.read = None if read is None or not args.read_weight else (args.read_weight ** 0.5 * read).to(self.device)
         self.active, self.diverged_at = bool(self.params) and args.steps > 0, None
         self.best_eval, self.best_step, self.best_state, self.current = float("inf"), 0, None, float("nan")
 
@@ -404,20 +360,13 @@ class _Stack:
                 p.data = leaf.detach()[i]  # the mixer now reads and writes its slice of the stack
             self.leaves[name] = leaf
         self.features, self.output = _Method(m0, "features"), _Method(m0, "output")
-        reads = [s.read for s in states]  # each (hidden, r) or None: stacked as (L, hidden, widest r), zero-padded
-        width = max((r.shape[1] for r in reads if r is not None), default=0)
-        self.reads = torch.zeros(len(states), m0.q_proj.in_features, width, device=states[0].device) if width else None
-        for i, r in enumerate(reads if width else []):
-            if r is not None:
-                self.reads[i, :, :r.shape[1]] = r
 
     def trained(self) -> dict[str, torch.Tensor]:
         return {n: t for n, t in self.leaves.items() if t.requires_grad}
 
     def losses(self, xs: Tensor, ys: Tensor, sink_weight: float = 1.0, ws: Tensor | None = None) -> Tensor:
         """Per-layer MSE (L,) of the stacked layers on inputs / targets (L, B, T, hidden); position 0 weighs
-        `sink_weight` positions (AlignArgs.sink_weight); `ws` (L, B, T): each position's weight (far_weights); plus,
-        where layers have one, the error in the directions later kept heads read (`reads`)."""
+        `sink_weight` positions (AlignArgs.sink_weight); `ws` (L, B, T): each position's weight (far_weights)."""
         params = {f"mixer.{n}": t for n, t in self.leaves.items()}
         L, B = xs.shape[:2]
         self.mixer.train()
@@ -425,10 +374,7 @@ class _Stack:
         o, _ = gated_delta_rule(*(t.flatten(0, 1) for t in feats), scale=self.mixer.head_dim ** -0.5,
                                 backend=self.mixer.backend)  # q, k, v, g, beta: layers along the batch
         outs = torch.vmap(lambda p, x, o: functional_call(self.output, p, (x, o)))(params, xs, o.unflatten(0, (L, B)))
-        diff = outs.float() - ys
-        err = diff.pow(2).mean(3)  # (L, B, T)
-        if self.reads is not None:
-            err = err + torch.einsum("lbth,lhr->lbtr", diff, self.reads).pow(2).sum(3) / diff.shape[3]
+        err = (outs.float() - ys).pow(2).mean(3)  # (L, B, T)
         per_pos = (err if ws is None else err * ws).mean(1)  # (L, T)
         return (per_pos.sum(1) + (sink_weight - 1.0) * per_pos[:, 0]) / (per_pos.shape[1] + sink_weight - 1.0)
 

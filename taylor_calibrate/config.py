@@ -219,11 +219,6 @@ class AlignArgs:
     back (sink excluded), averaged over the heads that become GDN, rescaled to mean 1 (`stats.far_weights`): the fit
     leans toward where the teacher reaches far back, which is what retrieval needs. 0: off (docs/decisions.md,
     "far-reaching positions in the loss")."""
-    read_weight: float = 0.0
-    """Add read_weight x the error in the directions the kept attention heads of later layers read the residual stream
-    with (their q, k and v projections, `align.kept_read_factors`) to each GDN layer's loss: those heads retrieve, and
-    an error they read moves their queries, keys and values. Scaled so that an error of one size in every direction
-    costs what the plain MSE charges. 0: off."""
     layer_group: int | None = None
     """Layers trained together in one stacked forward/backward (None: all; fewer bounds activation memory). The
     result does not depend on it."""
@@ -253,8 +248,6 @@ class AlignArgs:
             raise ValueError(f"align option sink_weight={self.sink_weight} must be >= 0")
         if self.far_weight < 0:
             raise ValueError(f"align option far_weight={self.far_weight} must be >= 0 (0 turns it off)")
-        if self.read_weight < 0:
-            raise ValueError(f"align option read_weight={self.read_weight} must be >= 0 (0 turns it off)")
         if self.lr_qkv is not None and self.lr_qkv < 0:
             raise ValueError(f"align option lr_qkv={self.lr_qkv} must be >= 0 or None (from --profile)")
         if self.lr_dynamics is not None and self.lr_dynamics < 0:

@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from taylor_calibrate.align import RopedAttention, align_attention, align_layers, kept_read_factors, realign_kept
+from taylor_calibrate.align import RopedAttention, align_attention, align_layers, realign_kept
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.config import ConvertArgs, apply_profile
@@ -183,9 +183,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         targets = attention_targets(teacher.model, stats, converted, release=True, kept_groups=headwise)
         weights = far_weights(teacher.model, stats, converted, args.phase2.far_weight, headwise) \
             if args.phase2.far_weight else None
-        reads = kept_read_factors(teacher.model, kept_groups, converted) if args.phase2.read_weight else None
-        p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets, args.phase2, weights=weights,
-                          reads=reads)
+        p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets, args.phase2, weights=weights)
     times["phase2_s"] = time.perf_counter() - t
 
     t = time.perf_counter()

@@ -79,13 +79,12 @@ def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str
 
 def label(r: dict) -> str:
     """A row's name: its policy, its seed when not 0, the phase-2 options it departs from the defaults with (kept
-    attention re-aligned, far_weight, read_weight), and for an end-to-end row its training flags (the `--train.*` part
-    of its distill flags)."""
+    attention re-aligned, far_weight), and for an end-to-end row its training flags (the `--train.*` part of its
+    distill flags)."""
     name = r["policy"] + (f" (seed {r['seed']})" if r.get("seed") else "")
     name += " + kept attention re-aligned" if r.get("phase2_kept_attention") else ""
-    for option in ("far_weight", "read_weight"):
-        value = r.get(f"phase2_{option}", 0.0)  # rows from before the option had none: 0
-        name += f" + {option} {value:g}" if value is not None and value != getattr(AlignArgs, option) else ""
+    far = r.get("phase2_far_weight", 0.0)  # rows from before the option had none: 0
+    name += f" + far_weight {far:g}" if far is not None and far != AlignArgs.far_weight else ""
     if not r["distill_tokens"]:
         return name
     toks = shlex.split(r["distill_flags"])
@@ -181,7 +180,6 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
                "kept_layers": report["kept_layers"], "headwise_kept_groups": report["headwise_kept_groups"],
                "phase2_kept_attention": report["phase2_kept_attention"] is not None,
                "phase2_far_weight": conv.phase2.far_weight if conv.align else None,
-               "phase2_read_weight": conv.phase2.read_weight if conv.align else None,
                "answer_logprob": answer_scores(hybrid, long_probes)["logprob"],
                "probe_retrieval": report["retrieval"]["hybrid"] if report["retrieval"] else None,
                **_niah(hybrid, tok, args, f"row{len(result['rows'])}"), "convert_s": report["wall_s"]}

@@ -250,27 +250,23 @@ def test_stacked_layers_train_as_if_alone(teacher_data, monkeypatch):
     assert counts[1] - counts[None] == 12 * (len(LAYERS) - 1)  # one recurrence call per step instead of one per layer
 
 
-# the defaults, the plain mean over positions at a constant rate, position weights (--phase2.far_weight), and read
-# metrics of different widths per layer (--phase2.read_weight)
-@pytest.mark.parametrize("sink_weight,schedule,weighted,read", [
-    (64.0, "wsd", False, False), (1.0, "constant", False, False), (64.0, "wsd", True, False), (64.0, "wsd", False, True)])
-def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight, schedule, weighted, read):
+# the defaults, the plain mean over positions at a constant rate, and position weights (--phase2.far_weight)
+@pytest.mark.parametrize("sink_weight,schedule,weighted", [(64.0, "wsd", False), (1.0, "constant", False),
+                                                           (64.0, "wsd", True)])
+def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight, schedule, weighted):
     """The vmapped stack (all layers' projections, convs and gates batched; parameters as slices of one tensor; clipping
     per layer) computes what a plain loop does for each layer alone: mixer forward, MSE with the first position
-    weighted `sink_weight` (and each row's positions by their weights; and the error read through a layer's read
-    factor, weighted), clip_grad_norm_, AdamW under the schedule (the defaults: wsd, sink weight 64)."""
+    weighted `sink_weight` (and each row's positions by their weights), clip_grad_norm_, AdamW under the schedule
+    (the defaults: wsd, sink weight 64)."""
     from taylor_calibrate.align import trained_parameters
 
     teacher, inputs, targets = teacher_data
     args = AlignArgs(**{**FAST, "steps": 5, "log_every": 5, "grad_clip": 0.05,  # a small clip: it acts
-                        "sink_weight": sink_weight, "schedule": schedule, "read_weight": 2.0 if read else 0.0})
+                        "sink_weight": sink_weight, "schedule": schedule})
     gen = torch.Generator().manual_seed(1)
     weights = {l: torch.rand(x.shape[:2], generator=gen) * 3 for l, x in inputs.items()} if weighted else None
-    hidden = next(iter(inputs.values())).shape[2]
-    reads = {l: torch.randn(hidden, 3 + 2 * k, generator=gen) / hidden ** 0.5 if k else None  # widths differ; None
-             for k, l in enumerate(inputs)} if read else None
     stacked = fresh_mixers(teacher)
-    report = align_layers(stacked, inputs, targets, args, weights=weights, reads=reads)
+    report = align_layers(stacked, inputs, targets, args, weights=weights)
     plain = fresh_mixers(teacher)
     rows = batch_indices(N, args.batch_size, args.steps, args.seed)
     lrs = {"new": args.lr, "qkv": args.lr_qkv, "o_proj": args.lr_o, "dynamics": args.lr_dynamics}
@@ -287,10 +283,7 @@ def test_stacked_step_is_the_plain_training_loop(teacher_data, sink_weight, sche
         for step, r in enumerate(rows, 1):
             for g, k in zip(opt.param_groups, groups):
                 g["lr"] = lrs[k] * lr_factor(step, args)
-            diff = m(inputs[l][r])[0] - targets[l][r]
-            err = diff.pow(2).mean(2)  # per row and position
-            if read and reads[l] is not None:
-                err = err + args.read_weight * (diff @ reads[l]).pow(2).sum(2) / hidden
+            err = (m(inputs[l][r])[0] - targets[l][r]).pow(2).mean(2)  # per row and position
             err = (err * weights[l][r] if weighted else err).mean(0)  # per position
             loss = (err * w).sum() / w.sum()
             loss.backward()
@@ -422,35 +415,3 @@ def test_realign_kept_fits_kept_attention_to_hybrid_inputs():
     assert report["mean_rel_mse_after"] < 0.8 * report["mean_rel_mse_before"]
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())  # the teacher is untouched
     assert all(torch.equal(gdn[k], v) for k, v in hybrid.model.layers[1].self_attn.gdn.state_dict().items())
-
-
-def test_read_factors_measure_what_later_kept_heads_read(one_thread):
-    """||e A_l||^2 is proportional to how far an error e of layer l moves the queries, keys and values of the heads
-    kept after l (the rows of q/k/v_proj of their groups, times the input norm's scale), with trace(A A^T) = hidden;
-    a layer with no kept head after it has none."""
-    from taylor_calibrate.align import kept_read_factors
-
-    teacher = tiny_teacher("llama", seed=3)
-    blocks = teacher.model.layers
-    with torch.no_grad():
-        for b in blocks:
-            b.input_layernorm.weight.uniform_(0.5, 2.0)
-    kept = {1: [1], 3: [0, 1]}  # layer 1 keeps KV group 1 (query heads 2, 3); layer 3 is kept whole
-    reads = kept_read_factors(teacher, kept, [0, 1, 2, 3], rtol=0.0)
-    assert reads[3] is None
-
-    def rows(j, groups):
-        a = blocks[j].self_attn
-        q = torch.cat([a.q_proj.weight[h * 16:(h + 1) * 16] for g in groups for h in (2 * g, 2 * g + 1)])
-        kv = [w[g * 16:(g + 1) * 16] for w in (a.k_proj.weight, a.v_proj.weight) for g in groups]
-        return torch.cat([q, *kv]) * blocks[j].input_layernorm.weight
-
-    want = {0: [rows(1, [1]), rows(3, [0, 1])], 1: [rows(3, [0, 1])], 2: [rows(3, [0, 1])]}
-    e = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
-    for l, ws in want.items():
-        a = reads[l]
-        torch.testing.assert_close((a @ a.T).trace(), torch.tensor(64.0), rtol=1e-4, atol=0)
-        moved = sum((e @ w.T).pow(2).sum(1) for w in ws)
-        ratio = (e @ a).pow(2).sum(1) / moved
-        torch.testing.assert_close(ratio, ratio[:1].expand(5), rtol=1e-4, atol=0)  # one constant for every error
-    torch.testing.assert_close(reads[1], reads[2])  # the same heads after both

@@ -56,8 +56,7 @@ def test_end_to_end_phase_adds_a_distilled_row(tmp_path):
     md = (out / "tradeoff.md").read_text()
     assert "| heads + end-to-end (--train.batch_size 4 --train.lr 1e-3 --train.repeat_spans 0.5) | head |" in md  # named by its --train flags
     assert "| heads + end-to-end (--train.batch_size 4 --train.lr 1e-3) | head |" in md
-    assert not zero["phase2_kept_attention"] and zero["phase2_far_weight"] == AlignArgs.far_weight  # the defaults
-    assert zero["phase2_read_weight"] == AlignArgs.read_weight
+    assert not zero["phase2_kept_attention"] and zero["phase2_far_weight"] == AlignArgs.far_weight  # the default
 
 
 def test_row_label_names_what_changes_the_result():
@@ -71,4 +70,3 @@ def test_row_label_names_what_changes_the_result():
     assert label({**row, "distill_tokens": 0, "seed": 0, "phase2_far_weight": 4.0}) == "heads + far_weight 4"
     old = {k: v for k, v in row.items() if k != "phase2_far_weight"}  # recorded before the option: it was off
     assert label({**old, "distill_tokens": 0}) == "heads (seed 1) + far_weight 0"
-    assert label({**row, "distill_tokens": 0, "phase2_read_weight": 4.0}) == "heads (seed 1) + read_weight 4"
