@@ -79,3 +79,18 @@ def test_headwise_keeps_teacher_heads_exactly():
     assert torch.equal(mixer.gdn.q_proj.weight, attn.q_proj.weight[:2 * D])
     assert torch.equal(mixer.gdn.k_proj.weight[D:2 * D], attn.k_proj.weight[:D])  # head 1 reads group 0
     assert torch.equal(mixer.gdn.o_proj.weight, attn.o_proj.weight[:, :2 * D])
+
+
+def test_headwise_attention_implementation_switches_everywhere(arch):
+    """set_attn_implementation reaches the kept heads of head-wise layers too (their module has its own config), and
+    the outputs do not change with it."""
+    hybrid = convert_teacher(tiny_teacher(arch), [1, 2, 3], GDNConfig(), kept_groups=KEPT).eval()
+    ids = _ids()
+    with torch.no_grad():
+        before = hybrid(ids, use_cache=False).logits
+        other = "sdpa" if hybrid.config._attn_implementation == "eager" else "eager"
+        hybrid.set_attn_implementation(other)
+        after = hybrid(ids, use_cache=False).logits
+    impls = {m.config._attn_implementation for m in hybrid.modules() if hasattr(m, "q_proj") and hasattr(m, "config")}
+    assert impls == {other}
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)

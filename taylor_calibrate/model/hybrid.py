@@ -155,6 +155,15 @@ class HybridPreTrainedModel(PreTrainedModel):
             check_report(pretrained_model_name_or_path, model.config)
         return (model, info) if want_info else model
 
+    def set_attn_implementation(self, attn_implementation, **kwargs):
+        """transformers' switch, carried on to the kept heads of head-wise layers: their attention module has its own
+        config (fewer heads), which transformers' walk over the model's configs does not reach."""
+        super().set_attn_implementation(attn_implementation, **kwargs)
+        impl = self.config._attn_implementation
+        for m in self.modules():
+            if isinstance(m, HeadwiseMixer):
+                m.attn.config._attn_implementation = impl
+
     def _init_weights(self, module):
         if isinstance(module, GatedDeltaNet):
             init_recurrent_defaults(module, torch.Generator().manual_seed(module.layer_idx))
