@@ -562,6 +562,11 @@ class TrainArgs:
     (sink excluded), averaged over the heads the student converts, rescaled to mean 1 per batch: phase 2's
     --phase2.far_weight for the end-to-end phase. The teacher then runs uncompiled (its attention is observed).
     0: off."""
+    attn_weight: float = 0.0
+    """Weight of the attention loss: KL(teacher || student) between the attention distributions of the heads that stay
+    softmax attention, at `distill.ATTN_QUERIES` random query positions per micro-batch, mean over heads and positions. It trains
+    the converted layers to give the kept heads the queries and keys they find their targets with (docs/method.md,
+    "End-to-end phase"). Student and teacher then run uncompiled (their attention is observed). 0: off."""
     eval_every: int | None = None
     """Evaluate on held-out text every this many steps (None: 8 evaluations over the run); also at step 0 and
     at the end."""
@@ -598,8 +603,9 @@ class TrainArgs:
             raise ValueError(f"train option warmup={self.warmup} must be in [0, 1)")
         if self.lr <= 0 or self.temperature <= 0:
             raise ValueError("train options lr and temperature must be > 0")
-        if self.far_weight < 0:
-            raise ValueError(f"train far_weight={self.far_weight} must be >= 0 (0 turns it off)")
+        if self.far_weight < 0 or self.attn_weight < 0:
+            raise ValueError(f"train far_weight={self.far_weight} and attn_weight={self.attn_weight} must be >= 0 "
+                             "(0 turns them off)")
         if min(self.kl_weight, self.hidden_weight, self.ce_weight) < 0 or \
                 self.kl_weight + self.hidden_weight + self.ce_weight == 0:
             raise ValueError("train loss weights must be >= 0 and not all 0")

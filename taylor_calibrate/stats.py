@@ -194,7 +194,7 @@ class FarMass:
         return w / w.mean()
 
 
-_ACTIVE = None  # the collector the attention function below feeds (a _Collector, a _NeedleProbe or a FarMass)
+_ACTIVE = None  # the collector the attention function below feeds (_Collector, _NeedleProbe, FarMass, KeptAttention)
 
 
 def _stats_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -355,6 +355,56 @@ def store_device_for(model, rows: int, seq: int, layers, device: torch.device) -
 
 
 # --- retrieval heads: where the teacher looks when it copies a needle ---------------------------------------------
+def row_scores(query, key, rows, scaling, window=None, softcap=None) -> torch.Tensor:
+    """(B, H, r, T) fp32 attention logits of the query positions `rows` over every key, as the model computes them
+    (GQA keys shared by their query heads, softcap), -inf where a key is hidden (causal mask, sliding window)."""
+    q = query[:, :, rows].float()  # (B, H, r, D)
+    k = key.float().repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # GQA -> (B, H, T, D)
+    s = q @ k.transpose(-1, -2) * scaling
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    pos = torch.arange(k.shape[2], device=s.device)
+    visible = pos[None, :] <= rows[:, None]
+    if window is not None:
+        visible &= pos[None, :] > rows[:, None] - window
+    return s.masked_fill(~visible, float("-inf"))
+
+
+class KeptAttention:
+    """During one forward (`observing`), the log attention distributions of query heads `heads` ({layer: heads};
+    None: every head of every attention module) at query positions `rows` (set per batch): the end-to-end phase
+    compares the teacher's and the student's kept heads there (`distill.attention_kl`, --train.attn_weight). The
+    student's logs keep their graph."""
+
+    def __init__(self, heads: dict[int, list[int]] | None = None):
+        self.heads, self.rows = heads, None
+        self.logp: dict[int, torch.Tensor] = {}
+        self._index: dict[tuple, torch.Tensor] = {}
+
+    def observe(self, module, query, key, out, scaling, window, softcap):
+        i = module.layer_idx
+        if self.heads is not None:
+            if not self.heads.get(i):
+                return
+            at = (i, str(query.device))
+            if at not in self._index:
+                self._index[at] = torch.tensor(self.heads[i], device=query.device)
+            idx = self._index[at]  # each query head with its own KV group
+            query, key = query.index_select(1, idx), key.index_select(1, idx // (query.shape[1] // key.shape[1]))
+        self.logp[i] = row_scores(query, key, self.rows, scaling, window, softcap).log_softmax(-1)
+
+
+class Collectors:
+    """Several collectors fed by one observed forward (`observing(model, Collectors(a, b))`); None entries skipped."""
+
+    def __init__(self, *collectors):
+        self.collectors = [c for c in collectors if c is not None]
+
+    def observe(self, *args):
+        for c in self.collectors:
+            c.observe(*args)
+
+
 class _NeedleProbe:
     """Per layer and query head, the attention mass that the positions predicting a retrieval answer put on the
     needle's copy of that answer (a copy / retrieval head puts most of it there). Set `rows` and `keys` per probe."""
@@ -365,16 +415,7 @@ class _NeedleProbe:
         self.sums: dict[int, torch.Tensor] = {}
 
     def observe(self, module, query, key, out, scaling, window, softcap):
-        q = query[:, :, self.rows].float()  # (B, H, r, D)
-        k = key.float().repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # GQA -> (B, H, T, D)
-        s = q @ k.transpose(-1, -2) * scaling  # (B, H, r, T)
-        if softcap:
-            s = torch.tanh(s / softcap) * softcap
-        pos = torch.arange(k.shape[2], device=s.device)
-        visible = pos[None, :] <= self.rows[:, None]
-        if window is not None:
-            visible &= pos[None, :] > self.rows[:, None] - window
-        p = s.masked_fill(~visible, float("-inf")).softmax(-1)
+        p = row_scores(query, key, self.rows, scaling, window, softcap).softmax(-1)
         mass = p[..., self.keys].sum(-1).mean(-1).sum(0)  # (H,)
         self.sums[module.layer_idx] = self.sums.get(module.layer_idx, 0) + mass
 

@@ -80,6 +80,14 @@ def gdn_heads(cfg, layers, kept_groups: dict[int, list[int]] | None = None) -> d
     return {i: converted_heads(cfg, (kept_groups or {}).get(i) or []) for i in layers}
 
 
+def kept_heads(cfg, layers, kept_groups: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
+    """{layer: its query heads that stay softmax attention} when `layers` are converted: every head of a layer not
+    converted, the kept KV groups' heads of a head-wise layer; layers with none are left out."""
+    out = {i: group_heads(cfg, (kept_groups or {}).get(i) or []) if i in set(layers)
+           else list(range(cfg.num_attention_heads)) for i in range(cfg.num_hidden_layers)}
+    return {i: h for i, h in out.items() if h}
+
+
 def _new_gdn(base, gdn_cfg: GDNConfig, layer_idx: int, attn: nn.Module, kept: list[int] = ()) -> GatedDeltaNet:
     """The GDN mixer of a converted layer; head-wise (`kept` groups stay attention) it holds the other heads only,
     and the o_proj bias stays with the attention part."""
