@@ -413,11 +413,13 @@ class _NeedleProbe:
         self.inputs, self.store_device = {}, "cpu"  # _collecting's interface; nothing is stored
         self.rows = self.keys = None
         self.sums: dict[int, torch.Tensor] = {}
+        self.last: dict[int, torch.Tensor] = {}  # the last forward's mass per layer
 
     def observe(self, module, query, key, out, scaling, window, softcap):
         p = row_scores(query, key, self.rows, scaling, window, softcap).softmax(-1)
         mass = p[..., self.keys].sum(-1).mean(-1).sum(0)  # (H,)
         self.sums[module.layer_idx] = self.sums.get(module.layer_idx, 0) + mass
+        self.last[module.layer_idx] = mass
 
 
 @torch.no_grad()
@@ -433,6 +435,25 @@ def retrieval_heads(model, probes) -> torch.Tensor:
             model(input_ids=torch.tensor([p.ids], device=device), use_cache=False, logits_to_keep=1)
     n = model.config.num_hidden_layers
     return torch.stack([probe.sums[i].cpu() for i in range(n)]) / len(probes)
+
+
+@torch.no_grad()
+def needle_mass(model, probes) -> dict[int, torch.Tensor]:
+    """{layer: (probes, heads)} the attention mass from the positions that predict each probe's answer onto the
+    needle's answer tokens, for every attention module `model` runs (a hybrid: its kept heads only, numbered within
+    the module)."""
+    probe = _NeedleProbe()
+    device = next(model.parameters()).device
+    out: dict[int, list] = {}
+    with _collecting(model, probe):
+        for p in probes:
+            probe.rows = torch.tensor(p.answer, device=device) - 1
+            probe.keys = torch.tensor(p.needle, device=device)
+            model(input_ids=torch.tensor([p.ids], device=device), use_cache=False, logits_to_keep=1)
+            for i, m in probe.last.items():
+                out.setdefault(i, []).append(m.cpu())
+            probe.last = {}
+    return {i: torch.stack(v) for i, v in sorted(out.items())}
 
 
 def head_subset(st: LayerStats, heads: list[int]) -> LayerStats:

@@ -1,0 +1,35 @@
+"""benchmarks/kept_attention.py on a tiny local teacher and a head-wise hybrid of it (CPU): every kept head is listed
+under its teacher number, the heads before the first GDN layer keep the teacher's needle mass exactly, and one past
+a GDN part does not."""
+import json
+
+import pytest
+from conftest import load_benchmark, tiny_local_teacher
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from taylor_calibrate import GDNConfig, convert_teacher
+from taylor_calibrate.export import save_hybrid
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_tiny_run(tmp_path):
+    mod = load_benchmark("kept_attention")
+    teacher_dir, _ = tiny_local_teacher(tmp_path)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    hybrid = convert_teacher(teacher, [1, 2, 3], GDNConfig(), kept_groups={1: [1], 2: [0]},
+                             teacher_name=str(teacher_dir))
+    save_hybrid(hybrid, AutoTokenizer.from_pretrained(teacher_dir), tmp_path / "hybrid")
+    out = tmp_path / "res.json"
+    mod.main(["--model", str(tmp_path / "hybrid"), "--tasks", "single", "--lengths", "512", "--samples", "2",
+              "--min-mass", "0", "--device", "cpu", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["commit"] is not None and res["args"]["samples"] == 2
+    (cell,) = res["cells"]
+    heads = {(x["layer"], x["head"]): x for x in cell["heads"]}
+    assert set(heads) == {(0, 0), (0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 0), (2, 1)}
+    for (layer, _), x in heads.items():
+        if layer < 2:  # layer 0 is the teacher's; layer 1's kept part (heads 2-3: its second group) reads its output
+            assert x["hybrid"] == pytest.approx(x["teacher"], abs=1e-5)
+    assert any(abs(x["hybrid"] - x["teacher"]) > 1e-4 for (layer, _), x in heads.items() if layer == 2)
+    assert "| single | 512 |" in out.with_suffix(".md").read_text()
