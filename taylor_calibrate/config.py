@@ -227,12 +227,19 @@ class AlignArgs:
     inputs the hybrid gives it: trained so that from the hybrid's inputs it reproduces what it computed from the
     teacher's. Off by default: it lowers perplexity but costs retrieval at long context (docs/decisions.md, "kept
     attention on hybrid inputs")."""
+    kept_pattern: bool = False
+    """Then re-align where the kept softmax attention looks: its query and key projections trained so that on the
+    hybrid's inputs its attention distributions match the teacher's on the teacher's inputs (KL at every query);
+    values and W_O stay the teacher's (`align.realign_patterns`)."""
     seed: int = 0
     """Seed of the row order."""
     log_every: int = 50
     """Evaluate (and keep the best state) every this many steps, and at the end."""
 
     def __post_init__(self):
+        if self.kept_attention and self.kept_pattern:
+            raise ValueError("align options kept_attention and kept_pattern both re-align the kept attention: "
+                             "choose one")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"align option schedule={self.schedule!r} is not one of {SCHEDULES}")
         for name in ("batch_size", "log_every", "layer_group"):

@@ -49,7 +49,7 @@ from taylor_calibrate.export import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads, kept_heads
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend
-from taylor_calibrate.stats import Collectors, FarMass, KeptAttention, observing
+from taylor_calibrate.stats import Collectors, FarMass, KeptAttention, attention_kl, observing
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 from taylor_calibrate.training import Clock, autocast, warmup_cosine
 
@@ -223,19 +223,6 @@ def attention_queries(seq_len: int, seed: int, step: int, micro: int) -> torch.T
     low = seq_len // 4
     g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + micro)
     return (torch.randperm(seq_len - low, generator=g)[:ATTN_QUERIES] + low).sort().values
-
-
-def attention_kl(teacher: KeptAttention, student: KeptAttention) -> torch.Tensor:
-    """Mean over layers, then over rows, heads and query positions, of KL(teacher || student) between the attention
-    distributions the two collectors logged in their last forwards (same heads, same positions); empties both."""
-    kls = []
-    for i, ls in student.logp.items():
-        lt = teacher.logp[i]
-        kls.append(torch.where(lt.isfinite(), lt.exp() * (lt - ls), 0.0).sum(-1).mean())
-    teacher.logp, student.logp = {}, {}
-    if not kls:
-        raise RuntimeError("attention_kl: no attention was observed (does the student keep any attention heads?)")
-    return torch.stack(kls).mean()
 
 
 def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs,

@@ -394,6 +394,19 @@ class KeptAttention:
         self.logp[i] = row_scores(query, key, self.rows, scaling, window, softcap).log_softmax(-1)
 
 
+def attention_kl(teacher: KeptAttention, student: KeptAttention) -> torch.Tensor:
+    """Mean over layers, then over rows, heads and query positions, of KL(teacher || student) between the attention
+    distributions the two collectors logged in their last forwards (same heads, same positions); empties both."""
+    kls = []
+    for i, ls in student.logp.items():
+        lt = teacher.logp[i]
+        kls.append(torch.where(lt.isfinite(), lt.exp() * (lt - ls), 0.0).sum(-1).mean())
+    teacher.logp, student.logp = {}, {}
+    if not kls:
+        raise RuntimeError("attention_kl: no attention was observed (does the student keep any attention heads?)")
+    return torch.stack(kls).mean()
+
+
 class Collectors:
     """Several collectors fed by one observed forward (`observing(model, Collectors(a, b))`); None entries skipped."""
 

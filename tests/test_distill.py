@@ -126,9 +126,9 @@ def test_attention_loss_compares_the_kept_heads(arch):
     layers upstream of a kept head."""
     from conftest import tiny_teacher
 
-    from taylor_calibrate.distill import attention_kl, attention_queries
+    from taylor_calibrate.distill import attention_queries
     from taylor_calibrate.model.hybrid import kept_heads
-    from taylor_calibrate.stats import KeptAttention, observing
+    from taylor_calibrate.stats import KeptAttention, attention_kl, observing
 
     teacher = tiny_teacher(arch)  # 4 layers, 2 KV groups of 2 query heads
     groups = {1: [0], 2: [1]}
