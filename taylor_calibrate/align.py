@@ -47,6 +47,7 @@ Choices (the reference's are in docs/method.md, "Phase 1: calibration", "paper")
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import time
@@ -534,6 +535,47 @@ def projection_groups(a: nn.Module, args: AlignArgs) -> list[dict]:
             {"params": list(a.o_proj.parameters()), "lr": args.lr_o}]
 
 
+def fit_module(module: nn.Module, groups: list[dict], step_loss, evaluate, args: AlignArgs, what: str,
+               before: float | None = None) -> tuple[float, float, int]:
+    """Phase 2's loop for one module: AdamW over parameter `groups` (each with its "lr"; the module's other
+    parameters stay), `args.steps` steps of `step_loss(step)` with phase 2's schedule and clipping, `evaluate()` every
+    `log_every` steps and at the end; the best evaluated state is restored, so a module never ends worse than it
+    started (a non-finite evaluation stops the fit). Returns (evaluation before, best evaluation, its step: 0 when
+    nothing improved); the module's parameters are left frozen."""
+    groups = [{**g, "base_lr": g["lr"]} for g in groups]
+    trained = [p for g in groups for p in g["params"]]
+    for p in module.parameters():
+        p.requires_grad_(False)
+    for p in trained:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
+    best = before = evaluate() if before is None else before
+    best_state, best_step = [p.detach().clone() for p in trained], 0
+    for step in range(1, args.steps + 1):
+        loss = step_loss(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.grad_clip > 0:
+            nn.utils.clip_grad_norm_(trained, args.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = g["base_lr"] * lr_factor(step, args)
+        opt.step()
+        if step % args.log_every == 0 or step == args.steps:
+            r = evaluate()
+            if not math.isfinite(r):
+                log.warning("%s diverged at step %d; keeping step %d", what, step, best_step)
+                break
+            if r < best:
+                best, best_step = r, step
+                best_state = [p.detach().clone() for p in trained]
+    with torch.no_grad():
+        for p, b in zip(trained, best_state):
+            p.copy_(b)
+    for p in trained:
+        p.requires_grad_(False)
+    return before, best, best_step
+
+
 def align_attention(attns: dict[int, RopedAttention], inputs: dict[int, Tensor], targets: dict[int, Tensor],
                     args: AlignArgs, *, eval_rows: int = 4, param_groups=qk_norm_groups,
                     desc: str = "align attention") -> dict:
@@ -552,42 +594,17 @@ def align_attention(attns: dict[int, RopedAttention], inputs: dict[int, Tensor],
         a = m.attn
         dtype, device = a.q_proj.weight.dtype, a.q_proj.weight.device
         a.float().eval()  # fp32 master weights; cast back at the end
-        groups = [{**g, "base_lr": g["lr"]} for g in param_groups(a, args)]
-        trained = [p for g in groups for p in g["params"]]
-        for p in a.parameters():
-            p.requires_grad_(False)
-        for p in trained:
-            p.requires_grad_(True)
-        opt = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-        best = before = rel_mse(m, x[:n_eval], y[:n_eval], batch)
-        best_state, best_step = [p.detach().clone() for p in trained], 0
-        for step in range(1, args.steps + 1):
+        def step_loss(step):
             rows = idx[step - 1]
             xb, yb = (t[rows.to(t.device)][:, crop].to(device, torch.float32) for t in (x, y))
             with autocast(device):
                 out = m(xb)[0]
             per_pos = (out.float() - yb).pow(2).mean((0, 2))  # (T,)
-            loss = (per_pos.sum() + (args.sink_weight - 1.0) * per_pos[0]) / (per_pos.numel() + args.sink_weight - 1.0)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if args.grad_clip > 0:
-                nn.utils.clip_grad_norm_(trained, args.grad_clip)
-            for g in opt.param_groups:
-                g["lr"] = g["base_lr"] * lr_factor(step, args)
-            opt.step()
-            if step % args.log_every == 0 or step == args.steps:
-                r = rel_mse(m, x[:n_eval], y[:n_eval], batch)
-                if not math.isfinite(r):
-                    log.warning("align attention: layer %d diverged at step %d; keeping step %d", l, step, best_step)
-                    break
-                if r < best:
-                    best, best_step = r, step
-                    best_state = [p.detach().clone() for p in trained]
-        with torch.no_grad():
-            for p, b in zip(trained, best_state):
-                p.copy_(b)
-        for p in a.parameters():
-            p.requires_grad_(False)
+            return (per_pos.sum() + (args.sink_weight - 1.0) * per_pos[0]) / (per_pos.numel() + args.sink_weight - 1.0)
+
+        before, _, best_step = fit_module(a, param_groups(a, args), step_loss,
+                                          lambda: rel_mse(m, x[:n_eval], y[:n_eval], batch), args,
+                                          f"align attention: layer {l}")
         a.to(dtype)
         report[l] = dict(rel_mse_before=before, rel_mse_after=rel_mse(m, x[:n_eval], y[:n_eval], batch),
                          best_step=best_step)
@@ -699,40 +716,19 @@ def realign_patterns(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size:
             m = RopedAttention(a, hybrid.model.rotary_emb)
             xh, xt = (x.pop(l) for x in (x_hybrid, x_teacher))
             ev_h, ev_t = (x[:n_eval].to(device, torch.float32) for x in (xh, xt))
-            best = before = kl_on(m, ref, ev_h, ev_t)
             trained = [p for name in ("q_proj", "k_proj", "q_norm", "k_norm") if hasattr(a, name)
                        for p in getattr(a, name).parameters()]
-            best_state, best_step = [p.detach().clone() for p in trained], 0
-            if before > 1e-9:  # a module before the first GDN layer reads the teacher's own inputs: nothing to fit
-                for p in a.parameters():
-                    p.requires_grad_(False)
-                for p in trained:
-                    p.requires_grad_(True)
-                opt = torch.optim.AdamW(trained, lr=args.lr_qkv, weight_decay=args.weight_decay)
-                for step in range(1, args.steps + 1):
-                    b = idx[step - 1]
-                    loss = _pattern_kl(m, ref, xh[b].to(device, torch.float32), xt[b].to(device, torch.float32), switch)
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if args.grad_clip > 0:
-                        nn.utils.clip_grad_norm_(trained, args.grad_clip)
-                    for g in opt.param_groups:
-                        g["lr"] = args.lr_qkv * lr_factor(step, args)
-                    opt.step()
-                    if step % args.log_every == 0 or step == args.steps:
-                        r = kl_on(m, ref, ev_h, ev_t)
-                        if not math.isfinite(r):
-                            log.warning("realign patterns: layer %d diverged at step %d; keeping step %d", l, step,
-                                        best_step)
-                            break
-                        if r < best:
-                            best, best_step = r, step
-                            best_state = [p.detach().clone() for p in trained]
-                with torch.no_grad():
-                    for p, v in zip(trained, best_state):
-                        p.copy_(v)
-                for p in a.parameters():
-                    p.requires_grad_(False)
+
+            def step_loss(step):
+                b = idx[step - 1]
+                return _pattern_kl(m, ref, xh[b].to(device, torch.float32), xt[b].to(device, torch.float32), switch)
+
+            evaluate = functools.partial(kl_on, m, ref, ev_h, ev_t)
+            before = best = evaluate()
+            best_step = 0
+            if before > 1e-9:  # a module that reads the teacher's own inputs (no GDN part before it): nothing to fit
+                before, best, best_step = fit_module(a, [{"params": trained, "lr": args.lr_qkv}], step_loss,
+                                                     evaluate, args, f"realign patterns: layer {l}", before=before)
             a.to(dtype)
             report[l] = dict(attention_kl_before=before, attention_kl_after=best, best_step=best_step)
     return {"layers": report,
