@@ -571,9 +571,10 @@ class TrainArgs:
     0: off."""
     attn_weight: float = 0.0
     """Weight of the attention loss: KL(teacher || student) between the attention distributions of the heads that stay
-    softmax attention, at `distill.ATTN_QUERIES` random query positions per micro-batch, mean over heads and positions. It trains
-    the converted layers to give the kept heads the queries and keys they find their targets with (docs/method.md,
-    "End-to-end phase"). Student and teacher then run uncompiled (their attention is observed). 0: off."""
+    softmax attention, at `distill.ATTN_QUERIES` random query positions per micro-batch, mean over heads and
+    positions. It trains the converted layers to give the kept heads the queries and keys they find their targets
+    with (docs/method.md, "End-to-end phase"). Student and teacher then run uncompiled (their attention is observed).
+    0: off."""
     eval_every: int | None = None
     """Evaluate on held-out text every this many steps (None: 8 evaluations over the run); also at step 0 and
     at the end."""

@@ -520,9 +520,9 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             raise ValueError("--train.attn_weight compares the heads that stay attention, and this student keeps none")
         attention = (KeptAttention(kept), KeptAttention())
     # an observed model (far_weight, attn_weight) runs eagerly: its attention goes through the statistics pass
-    eager = ([student] if attention else []) + ([teacher] if far or attention else [])
+    to_compile = [m for m, watched in ((student, attention), (teacher, far or attention)) if not watched]
     if compiled:
-        compile_layers(*[m for m in (student, teacher) if not any(m is e for e in eager)])
+        compile_layers(*to_compile)
     model = wrap(student, ctx, args.parallel, device)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = {id(p) for p in params if p.ndim >= 2}
@@ -627,7 +627,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             break
 
     if compiled:
-        uncompile_layers(*[m for m in (student, teacher) if not any(m is e for e in eager)])
+        uncompile_layers(*to_compile)
     records = metrics.read() if ctx.main else []
     evals = [r for r in records if "heldout_loss" in r]
     tps = clock.rate(((step if stop else steps) - start - 1) * tokens_per_step)

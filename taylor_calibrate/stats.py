@@ -372,9 +372,9 @@ def row_scores(query, key, rows, scaling, window=None, softcap=None) -> torch.Te
 
 class KeptAttention:
     """During one forward (`observing`), the log attention distributions of query heads `heads` ({layer: heads};
-    None: every head of every attention module) at query positions `rows` (set per batch): the end-to-end phase
-    compares the teacher's and the student's kept heads there (`distill.attention_kl`, --train.attn_weight). The
-    student's logs keep their graph."""
+    None: every head of every attention module) at query positions `rows` (set per batch), to compare the teacher's
+    and the hybrid's kept heads there (`attention_kl`: --train.attn_weight, --phase2.kept_pattern). Logs taken with
+    gradients keep their graph."""
 
     def __init__(self, heads: dict[int, list[int]] | None = None):
         self.heads, self.rows = heads, None
