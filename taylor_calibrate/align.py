@@ -669,7 +669,9 @@ class _Switch:
 
 def _pattern_kl(m: RopedAttention, ref: RopedAttention, xh: Tensor, xt: Tensor, switch: _Switch) -> Tensor:
     """KL(teacher || hybrid) of one kept module's attention distributions at every query: `ref` (the module as the
-    teacher had it) on the teacher's inputs `xt`, `m` on the hybrid's `xh` (both under `observing(..., switch)`)."""
+    teacher had it) on the teacher's inputs `xt`, `m` on the hybrid's `xh` (both under `observing(..., switch)`). The
+    teacher side is recomputed per batch: every row's T x T distributions would cost more memory than its forward
+    costs time."""
     from taylor_calibrate.stats import KeptAttention, attention_kl
 
     t_col, s_col = KeptAttention(), KeptAttention()

@@ -24,7 +24,7 @@ def test_tiny_run(tmp_path):
     mod.main(["--model", str(tmp_path / "hybrid"), "--tasks", "single", "--lengths", "512", "--samples", "2",
               "--min-mass", "0", "--device", "cpu", "--out", str(out)])
     res = json.loads(out.read_text())
-    assert res["commit"] is not None and res["args"]["samples"] == 2
+    assert "commit" in res and "env" in res and res["args"]["samples"] == 2  # recorded with its provenance
     (cell,) = res["cells"]
     heads = {(x["layer"], x["head"]): x for x in cell["heads"]}
     assert set(heads) == {(0, 0), (0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 0), (2, 1)}
