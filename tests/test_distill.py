@@ -160,15 +160,19 @@ def test_attention_loss_compares_the_kept_heads(arch):
 
 
 def test_attention_loss_adds_to_the_loss(assets):
-    """--train.attn_weight on the CLI: each step logs the kept heads' attention KL, and the loss is kl + w x it."""
+    """--train.attn_weight on the CLI: each step logs the kept heads' attention KL, and the loss is kl + w x it; with
+    --train.far_weight too, one observed teacher forward feeds both (the same attention KL, a reweighted KL)."""
     root, _, corpus = assets
-    out = root / "attn"
-    with one_thread():
-        assert main(_argv(root, corpus, out, 2, "--train.attn_weight", "2.0")) == 0
-    train = [r for r in _records(out) if "kl" in r]
-    assert len(train) == 2
-    for r in train:
-        assert r["attn_kl"] > 0 and r["loss"] == pytest.approx(r["kl"] + 2.0 * r["attn_kl"], rel=1e-5)
+    runs = {}
+    for name, more in (("attn", []), ("attn_far", ["--train.far_weight", "3"])):
+        with one_thread():
+            assert main(_argv(root, corpus, root / name, 2, "--train.attn_weight", "2.0", *more)) == 0
+        runs[name] = [r for r in _records(root / name) if "kl" in r]
+        assert len(runs[name]) == 2
+        for r in runs[name]:
+            assert r["attn_kl"] > 0 and r["loss"] == pytest.approx(r["kl"] + 2.0 * r["attn_kl"], rel=1e-5)
+    first, both = runs["attn"][0], runs["attn_far"][0]
+    assert both["attn_kl"] == pytest.approx(first["attn_kl"], rel=1e-5) and both["kl"] != pytest.approx(first["kl"])
 
 
 def _run(argv, env_extra=None, **kw):
