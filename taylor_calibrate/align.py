@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
 import math
 import time
@@ -508,11 +509,12 @@ def _print_table(report: dict) -> None:
 
 class RopedAttention(nn.Module):
     """A kept attention module called like a mixer, `(x) -> (out, None)`: RoPE for positions 0..T-1 and the causal
-    mask come from here, so `rel_mse` and the alignment loop treat it like a GDN layer."""
+    mask come from here, so `rel_mse` and the alignment loop treat it like a GDN layer. `layer_type`: the layer's
+    entry in the model's `layer_types`, for rotary embeddings kept per layer type (Gemma 3: local and global)."""
 
-    def __init__(self, attn: nn.Module, rotary: nn.Module):
+    def __init__(self, attn: nn.Module, rotary: nn.Module, layer_type: str | None = None):
         super().__init__()
-        self.attn, self.rotary = attn, rotary
+        self.attn, self.rotary, self.layer_type = attn, rotary, layer_type
 
     @property
     def o_proj(self):
@@ -520,7 +522,16 @@ class RopedAttention(nn.Module):
 
     def forward(self, x):
         pos = torch.arange(x.shape[1], device=x.device)[None]
-        return self.attn(x, position_embeddings=self.rotary(x, pos), attention_mask=None)[0], None
+        rope = self.rotary(x, pos) if self.layer_type is None else self.rotary(x, pos, self.layer_type)
+        return self.attn(x, position_embeddings=rope, attention_mask=None)[0], None
+
+
+def roped(model, layer: int, attn: nn.Module) -> RopedAttention:
+    """`attn`, layer `layer`'s kept attention in `model` (a teacher, or a hybrid: its base model holds the teacher's
+    rotary embedding and layer types), as a RopedAttention."""
+    rotary = model.model.rotary_emb
+    per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    return RopedAttention(attn, rotary, model.model.config.layer_types[layer] if per_type else None)
 
 
 def qk_norm_groups(a: nn.Module, args: AlignArgs) -> list[dict]:
@@ -646,14 +657,14 @@ def realign_kept(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size: int
     layers = sorted(attns)
     x_teacher = mixer_inputs(teacher, rows, layers, batch_size)
     x_hybrid = mixer_inputs(hybrid, rows, layers, batch_size)
-    roped = {i: RopedAttention(m, hybrid.model.rotary_emb) for i, m in attns.items()}
+    modules = {i: roped(hybrid, i, m) for i, m in attns.items()}
     targets = {}
     with torch.no_grad():
-        for i, m in roped.items():
+        for i, m in modules.items():
             p = next(m.parameters())
             targets[i] = torch.cat([m(x.to(p.device))[0].to(rows.device)
                                     for x in x_teacher.pop(i).split(batch_size)])
-    return align_attention(roped, x_hybrid, targets, args, param_groups=projection_groups,
+    return align_attention(modules, x_hybrid, targets, args, param_groups=projection_groups,
                            desc="realign kept attention")
 
 
@@ -714,8 +725,8 @@ def realign_patterns(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size:
             a = attns[l]
             dtype, device = a.q_proj.weight.dtype, a.q_proj.weight.device
             a.float().eval()
-            ref = RopedAttention(copy.deepcopy(a), hybrid.model.rotary_emb)  # copied under `observing`: observed too
-            m = RopedAttention(a, hybrid.model.rotary_emb)
+            ref = roped(hybrid, l, copy.deepcopy(a))  # copied under `observing`: observed too
+            m = roped(hybrid, l, a)
             xh, xt = (x.pop(l) for x in (x_hybrid, x_teacher))
             ev_h, ev_t = (x[:n_eval].to(device, torch.float32) for x in (xh, xt))
             trained = [p for name in ("q_proj", "k_proj", "q_norm", "k_norm") if hasattr(a, name)

@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from taylor_calibrate.align import RopedAttention, align_attention, align_layers, realign_kept, realign_patterns
+from taylor_calibrate.align import align_attention, align_layers, realign_kept, realign_patterns, roped
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.config import ConvertArgs, apply_profile
@@ -191,7 +191,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     if args.target == "qwen3_5":
         form = qwen3_form(teacher.model)
     if adapt:  # q/k RMSNorm added to the kept attention: closed-form start, then phase 2's alignment
-        attns = {i: RopedAttention(form.model.layers[i].self_attn, form.model.rotary_emb) for i in kept}
+        attns = {i: roped(form, i, form.model.layers[i].self_attn) for i in kept}
         qk_pairs = {i: start_qk_norm(m.attn, m.rotary, stats.inputs[i][:args.calib.fit_rows].to(device))
                     for i, m in attns.items()}
         if args.align:

@@ -393,12 +393,12 @@ def test_staging_delivers_exactly_the_indexed_rows(device):
         assert torch.equal(a.cpu(), b)
 
 
-def test_realign_kept_fits_kept_attention_to_hybrid_inputs():
+def test_realign_kept_fits_kept_attention_to_hybrid_inputs(arch):
     """--phase2.kept_attention: each kept attention module (a whole attention layer, a head-wise layer's kept heads)
     learns to give from the hybrid's inputs what it gave from the teacher's; the teacher and the GDN heads stay."""
     from taylor_calibrate.align import kept_attention, mixer_inputs, realign_kept
 
-    teacher = tiny_teacher("llama")
+    teacher = tiny_teacher(arch)
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     hybrid = convert_teacher(teacher, [0, 1, 2], GDNConfig(), kept_groups={1: [0], 2: [1]})  # layer 3 stays whole
     attns = kept_attention(hybrid)
@@ -417,13 +417,13 @@ def test_realign_kept_fits_kept_attention_to_hybrid_inputs():
     assert all(torch.equal(gdn[k], v) for k, v in hybrid.model.layers[1].self_attn.gdn.state_dict().items())
 
 
-def test_realign_patterns_fits_where_the_kept_heads_look():
+def test_realign_patterns_fits_where_the_kept_heads_look(arch):
     """--phase2.kept_pattern: on the hybrid's inputs each kept attention module's attention distributions move toward
     the teacher's on the teacher's (KL, every query); only q/k train, so values, W_O, the GDN heads and the teacher
     stay; a module that reads the teacher's own inputs (no GDN part before it) is left alone."""
     from taylor_calibrate.align import kept_attention, realign_patterns
 
-    teacher = tiny_teacher("llama", initializer_range=0.1)  # attention with some shape to it, not near uniform
+    teacher = tiny_teacher(arch, initializer_range=0.1)  # attention with some shape to it, not near uniform
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     hybrid = convert_teacher(teacher, [1, 2], GDNConfig(), kept_groups={1: [0], 2: [1]})  # layers 0 and 3 stay whole
     start = {k: v.clone() for k, v in hybrid.state_dict().items()}
@@ -440,7 +440,8 @@ def test_realign_patterns_fits_where_the_kept_heads_look():
     for k, v in start.items():
         moved = not torch.equal(v, after[k])
         trains = any(k.startswith(f"model.layers.{l}.self_attn.{p}") for l in (2, 3)
-                     for p in ("q_proj", "k_proj", "attn.q_proj", "attn.k_proj"))
+                     for p in ("q_proj", "k_proj", "q_norm", "k_norm", "attn.q_proj", "attn.k_proj", "attn.q_norm",
+                               "attn.k_norm"))
         assert moved <= trains, f"{k} moved"  # nothing but kept q/k moves
     assert any(not torch.equal(start[k], after[k]) for k in start if k.startswith("model.layers.3.self_attn.q_proj"))
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
