@@ -57,6 +57,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from torch.func import functional_call
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from tqdm.auto import tqdm
 
 from taylor_calibrate.config import AlignArgs
@@ -509,12 +510,13 @@ def _print_table(report: dict) -> None:
 
 class RopedAttention(nn.Module):
     """A kept attention module called like a mixer, `(x) -> (out, None)`: RoPE for positions 0..T-1 and the causal
-    mask come from here, so `rel_mse` and the alignment loop treat it like a GDN layer. `layer_type`: the layer's
-    entry in the model's `layer_types`, for rotary embeddings kept per layer type (Gemma 3: local and global)."""
+    mask (sliding-window when `local`) come from here, in the format the module's attention implementation takes, so
+    `rel_mse` and the alignment loop treat it like a GDN layer. `layer_type`: the layer's entry in the model's
+    `layer_types`, for rotary embeddings kept per layer type (Gemma 3: local and global). Build it with `roped`."""
 
-    def __init__(self, attn: nn.Module, rotary: nn.Module, layer_type: str | None = None):
+    def __init__(self, attn: nn.Module, rotary: nn.Module, layer_type: str | None = None, local: bool = False):
         super().__init__()
-        self.attn, self.rotary, self.layer_type = attn, rotary, layer_type
+        self.attn, self.rotary, self.layer_type, self.local = attn, rotary, layer_type, local
 
     @property
     def o_proj(self):
@@ -523,15 +525,20 @@ class RopedAttention(nn.Module):
     def forward(self, x):
         pos = torch.arange(x.shape[1], device=x.device)[None]
         rope = self.rotary(x, pos) if self.layer_type is None else self.rotary(x, pos, self.layer_type)
-        return self.attn(x, position_embeddings=rope, attention_mask=None)[0], None
+        make = create_sliding_window_causal_mask if self.local else create_causal_mask
+        mask = make(config=self.attn.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos)
+        return self.attn(x, position_embeddings=rope, attention_mask=mask)[0], None
 
 
 def roped(model, layer: int, attn: nn.Module) -> RopedAttention:
     """`attn`, layer `layer`'s kept attention in `model` (a teacher, or a hybrid: its base model holds the teacher's
-    rotary embedding and layer types), as a RopedAttention."""
-    rotary = model.model.rotary_emb
+    rotary embedding and config), as a RopedAttention with the layer's rotary and mask: sliding-window where the
+    model's layer types say so, or, without layer types, everywhere when the config has a window (Mistral)."""
+    rotary, cfg = model.model.rotary_emb, model.model.config
+    types = getattr(cfg, "layer_types", None)
+    local = types[layer] == "sliding_attention" if types else getattr(cfg, "sliding_window", None) is not None
     per_type = "layer_type" in inspect.signature(rotary.forward).parameters
-    return RopedAttention(attn, rotary, model.model.config.layer_types[layer] if per_type else None)
+    return RopedAttention(attn, rotary, types[layer] if per_type else None, local)
 
 
 def qk_norm_groups(a: nn.Module, args: AlignArgs) -> list[dict]:

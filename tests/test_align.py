@@ -445,3 +445,25 @@ def test_realign_patterns_fits_where_the_kept_heads_look(arch):
         assert moved <= trains, f"{k} moved"  # nothing but kept q/k moves
     assert any(not torch.equal(start[k], after[k]) for k in start if k.startswith("model.layers.3.self_attn.q_proj"))
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
+
+
+def test_roped_attention_is_the_layers_own_attention(arch):
+    """align.roped: a kept attention module called on what its layer receives gives what it gives inside the model's
+    forward (its rotary embedding per layer type, its sliding window: tiny mistral / gemma3 windows are shorter than
+    the rows)."""
+    from taylor_calibrate.align import mixer_inputs, roped
+
+    teacher = tiny_teacher(arch)
+    ids = torch.randint(0, teacher.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    layers = list(range(teacher.config.num_hidden_layers))
+    inputs = mixer_inputs(teacher, ids, layers, 2)
+    outs = {}
+    hooks = [teacher.model.layers[i].self_attn.register_forward_hook(
+        lambda mod, args, out, i=i: outs.__setitem__(i, out[0].detach())) for i in layers]
+    with torch.no_grad():
+        teacher(input_ids=ids, use_cache=False)
+        for h in hooks:
+            h.remove()
+        for i in layers:
+            got = roped(teacher, i, teacher.model.layers[i].self_attn)(inputs[i])[0]
+            torch.testing.assert_close(got, outs[i], rtol=1e-4, atol=1e-5)
