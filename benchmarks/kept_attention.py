@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -83,7 +84,6 @@ def main(argv=None):
     md = table(cells)
     if a.out:
         res = record(a.out, res, a)
-        from pathlib import Path
         Path(a.out).with_suffix(".md").write_text(md + "\n")
     print(json.dumps(res, indent=1, default=str))
     print(md)

@@ -612,6 +612,7 @@ def align_attention(attns: dict[int, RopedAttention], inputs: dict[int, Tensor],
         a = m.attn
         dtype, device = a.q_proj.weight.dtype, a.q_proj.weight.device
         a.float().eval()  # fp32 master weights; cast back at the end
+
         def step_loss(step):
             rows = idx[step - 1]
             xb, yb = (t[rows.to(t.device)][:, crop].to(device, torch.float32) for t in (x, y))
@@ -651,19 +652,24 @@ def mixer_inputs(model, rows: Tensor, layers, batch_size: int) -> dict[int, Tens
     return {i: torch.cat(c) for i, c in caught.items()}
 
 
+def kept_inputs(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size: int = 4):
+    """(rows cropped to `args.seq_len`, {layer: kept attention module}, what each module receives in the teacher, in
+    the hybrid): one pass of each model before any module moves (causal models give the positions kept the same
+    inputs as the uncropped rows would)."""
+    rows = rows if args.seq_len is None else rows[:, :args.seq_len]
+    attns = kept_attention(hybrid)
+    layers = sorted(attns)
+    return rows, attns, mixer_inputs(teacher, rows, layers, batch_size), mixer_inputs(hybrid, rows, layers, batch_size)
+
+
 def realign_kept(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size: int = 4) -> dict:
     """Re-align the hybrid's kept attention to the inputs the hybrid gives it (`--phase2.kept_attention`).
 
     Teacher forcing trains each GDN layer on the teacher's inputs; in the hybrid, every kept attention head after the
     first GDN layer reads a residual stream that the GDN layers before it have moved. Each kept attention module is
     trained (`align_attention`, q/k/v at `lr_qkv`, o_proj at `lr_o`) to produce from the hybrid's inputs what it
-    produced from the teacher's. Inputs are read in one pass of each model over `rows` (cropped to `args.seq_len`
-    when set: causal models give the same inputs to the positions kept) before any module moves."""
-    rows = rows if args.seq_len is None else rows[:, :args.seq_len]
-    attns = kept_attention(hybrid)
-    layers = sorted(attns)
-    x_teacher = mixer_inputs(teacher, rows, layers, batch_size)
-    x_hybrid = mixer_inputs(hybrid, rows, layers, batch_size)
+    produced from the teacher's, on the inputs `kept_inputs` reads."""
+    rows, attns, x_teacher, x_hybrid = kept_inputs(hybrid, teacher, rows, args, batch_size)
     modules = {i: roped(hybrid, i, m) for i, m in attns.items()}
     targets = {}
     with torch.no_grad():
@@ -708,14 +714,11 @@ def realign_patterns(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size:
     teacher's heads attend on the teacher's inputs (`--phase2.kept_pattern`): per kept module, KL(teacher || hybrid)
     between the attention distributions at every query of phase 2's rows, q/k projections (and q/k norms) trained at
     `lr_qkv` with phase 2's schedule, clipping and best-state rule. Values and W_O stay the teacher's: what a head
-    reads out is unchanged, only where it looks. Inputs come from one pass of each model before any module moves."""
+    reads out is unchanged, only where it looks. Inputs: `kept_inputs`."""
     from taylor_calibrate.stats import observing
 
-    rows = rows if args.seq_len is None else rows[:, :args.seq_len]
-    attns = kept_attention(hybrid)
+    rows, attns, x_teacher, x_hybrid = kept_inputs(hybrid, teacher, rows, args, batch_size)
     layers = sorted(attns)
-    x_teacher = mixer_inputs(teacher, rows, layers, batch_size)
-    x_hybrid = mixer_inputs(hybrid, rows, layers, batch_size)
     n_rows = rows.shape[0]
     n_eval, batch = min(n_rows, 4), min(args.batch_size, n_rows)
     idx = batch_indices(n_rows, batch, args.steps, args.seed)
