@@ -5,9 +5,9 @@ probes, the ones `eval --niah` draws for --niah_seed 0), beside the answer's log
     python benchmarks/kept_attention.py --model out/hybrid --lengths 1024,4096 --out /tmp/kept_attention.json
 
 A kept head's weights are the teacher's, so a head whose mass falls reads queries or keys that the GDN layers before
-it changed (what `distill --train.attn_weight` trains); a head that keeps its mass while the answer is still lost
-points past the attention, to how its output is read. Only the heads with at least --min-mass of the teacher's
-attention on the needle (its retrieval heads) are listed. Prints JSON and a table.
+it changed; a head that keeps its mass while the answer is still lost points past the attention, to how its output
+is read. Only the heads with at least --min-mass of the teacher's attention on the needle (its retrieval heads) are
+listed. Prints JSON and a table.
 """
 from __future__ import annotations
 

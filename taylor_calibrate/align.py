@@ -46,8 +46,6 @@ Choices (the reference's are in docs/method.md, "Phase 1: calibration", "paper")
 """
 from __future__ import annotations
 
-import copy
-import functools
 import inspect
 import logging
 import math
@@ -679,81 +677,3 @@ def realign_kept(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size: int
                                     for x in x_teacher.pop(i).split(batch_size)])
     return align_attention(modules, x_hybrid, targets, args, param_groups=projection_groups,
                            desc="realign kept attention")
-
-
-class _Switch:
-    """The collector `observing` feeds, forwarding to `to`: the teacher-side or the hybrid-side log of one module."""
-
-    def __init__(self):
-        self.to = None
-
-    def observe(self, *args):
-        self.to.observe(*args)
-
-
-def _pattern_kl(m: RopedAttention, ref: RopedAttention, xh: Tensor, xt: Tensor, switch: _Switch) -> Tensor:
-    """KL(teacher || hybrid) of one kept module's attention distributions at every query: `ref` (the module as the
-    teacher had it) on the teacher's inputs `xt`, `m` on the hybrid's `xh` (both under `observing(..., switch)`). The
-    teacher side is recomputed per batch: every row's T x T distributions would cost more memory than its forward
-    costs time."""
-    from taylor_calibrate.stats import KeptAttention, attention_kl
-
-    t_col, s_col = KeptAttention(), KeptAttention()
-    t_col.rows = s_col.rows = torch.arange(xh.shape[1], device=xh.device)
-    with torch.no_grad(), autocast(xh.device):
-        switch.to = t_col
-        ref(xt)
-    with autocast(xh.device):
-        switch.to = s_col
-        m(xh)
-    return attention_kl(t_col, s_col)
-
-
-def realign_patterns(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size: int = 4) -> dict:
-    """Re-align the kept heads' queries and keys so that on the inputs the hybrid gives them they attend where the
-    teacher's heads attend on the teacher's inputs (`--phase2.kept_pattern`): per kept module, KL(teacher || hybrid)
-    between the attention distributions at every query of phase 2's rows, q/k projections (and q/k norms) trained at
-    `lr_qkv` with phase 2's schedule, clipping and best-state rule. Values and W_O stay the teacher's: what a head
-    reads out is unchanged, only where it looks. Inputs: `kept_inputs`."""
-    from taylor_calibrate.stats import observing
-
-    rows, attns, x_teacher, x_hybrid = kept_inputs(hybrid, teacher, rows, args, batch_size)
-    layers = sorted(attns)
-    n_rows = rows.shape[0]
-    n_eval, batch = min(n_rows, 4), min(args.batch_size, n_rows)
-    idx = batch_indices(n_rows, batch, args.steps, args.seed)
-    switch = _Switch()
-    report = {}
-
-    def kl_on(m, ref, xh, xt):
-        with torch.no_grad():
-            return float(sum(_pattern_kl(m, ref, a, b, switch) for a, b in zip(xh.split(batch), xt.split(batch)))
-                         / math.ceil(len(xh) / batch))
-
-    with observing(hybrid, switch):
-        for l in tqdm(layers, desc="realign kept patterns", leave=False):
-            a = attns[l]
-            dtype, device = a.q_proj.weight.dtype, a.q_proj.weight.device
-            a.float().eval()
-            ref = roped(hybrid, l, copy.deepcopy(a))  # copied under `observing`: observed too
-            m = roped(hybrid, l, a)
-            xh, xt = (x.pop(l) for x in (x_hybrid, x_teacher))
-            ev_h, ev_t = (x[:n_eval].to(device, torch.float32) for x in (xh, xt))
-            trained = [p for name in ("q_proj", "k_proj", "q_norm", "k_norm") if hasattr(a, name)
-                       for p in getattr(a, name).parameters()]
-
-            def step_loss(step):
-                b = idx[step - 1]
-                return _pattern_kl(m, ref, xh[b].to(device, torch.float32), xt[b].to(device, torch.float32), switch)
-
-            evaluate = functools.partial(kl_on, m, ref, ev_h, ev_t)
-            before = best = evaluate()
-            best_step = 0
-            if before > 1e-9:  # a module that reads the teacher's own inputs (no GDN part before it): nothing to fit
-                before, best, best_step = fit_module(a, [{"params": trained, "lr": args.lr_qkv}], step_loss,
-                                                     evaluate, args, f"realign patterns: layer {l}", before=before)
-            a.to(dtype)
-            report[l] = dict(attention_kl_before=before, attention_kl_after=best, best_step=best_step)
-    return {"layers": report,
-            "mean_attention_kl_before": sum(r["attention_kl_before"] for r in report.values()) / len(layers),
-            "mean_attention_kl_after": sum(r["attention_kl_after"] for r in report.values()) / len(layers)}

@@ -227,19 +227,12 @@ class AlignArgs:
     inputs the hybrid gives it: trained so that from the hybrid's inputs it reproduces what it computed from the
     teacher's. Off by default: it lowers perplexity but costs retrieval at long context (docs/decisions.md, "kept
     attention on hybrid inputs")."""
-    kept_pattern: bool = False
-    """Then re-align where the kept softmax attention looks: its query and key projections trained so that on the
-    hybrid's inputs its attention distributions match the teacher's on the teacher's inputs (KL at every query);
-    values and W_O stay the teacher's (`align.realign_patterns`)."""
     seed: int = 0
     """Seed of the row order."""
     log_every: int = 50
     """Evaluate (and keep the best state) every this many steps, and at the end."""
 
     def __post_init__(self):
-        if self.kept_attention and self.kept_pattern:
-            raise ValueError("align options kept_attention and kept_pattern both re-align the kept attention: "
-                             "choose one")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"align option schedule={self.schedule!r} is not one of {SCHEDULES}")
         for name in ("batch_size", "log_every", "layer_group"):
@@ -569,12 +562,6 @@ class TrainArgs:
     (sink excluded), averaged over the heads the student converts, rescaled to mean 1 per batch: phase 2's
     --phase2.far_weight for the end-to-end phase. The teacher then runs uncompiled (its attention is observed).
     0: off."""
-    attn_weight: float = 0.0
-    """Weight of the attention loss: KL(teacher || student) between the attention distributions of the heads that stay
-    softmax attention, at `distill.ATTN_QUERIES` random query positions per micro-batch, mean over heads and
-    positions. It trains the converted layers to give the kept heads the queries and keys they find their targets
-    with (docs/method.md, "End-to-end phase"). Student and teacher then run uncompiled (their attention is observed).
-    0: off."""
     eval_every: int | None = None
     """Evaluate on held-out text every this many steps (None: 8 evaluations over the run); also at step 0 and
     at the end."""
@@ -611,9 +598,8 @@ class TrainArgs:
             raise ValueError(f"train option warmup={self.warmup} must be in [0, 1)")
         if self.lr <= 0 or self.temperature <= 0:
             raise ValueError("train options lr and temperature must be > 0")
-        if self.far_weight < 0 or self.attn_weight < 0:
-            raise ValueError(f"train far_weight={self.far_weight} and attn_weight={self.attn_weight} must be >= 0 "
-                             "(0 turns them off)")
+        if self.far_weight < 0:
+            raise ValueError(f"train far_weight={self.far_weight} must be >= 0 (0 turns it off)")
         if min(self.kl_weight, self.hidden_weight, self.ce_weight) < 0 or \
                 self.kl_weight + self.hidden_weight + self.ce_weight == 0:
             raise ValueError("train loss weights must be >= 0 and not all 0")

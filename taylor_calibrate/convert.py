@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from taylor_calibrate.align import align_attention, align_layers, realign_kept, realign_patterns, roped
+from taylor_calibrate.align import align_attention, align_layers, realign_kept, roped
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.config import ConvertArgs, apply_profile
@@ -207,11 +207,6 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         t = time.perf_counter()
         p2_kept = realign_kept(hybrid, teacher.model, splits.calib, args.phase2, args.eval_batch_size)
         times["realign_s"] = time.perf_counter() - t
-    p2_pattern = None
-    if args.align and args.phase2.kept_pattern:
-        t = time.perf_counter()
-        p2_pattern = realign_patterns(hybrid, teacher.model, splits.calib, args.phase2, args.eval_batch_size)
-        times["realign_s"] = time.perf_counter() - t
     diverged = {i: r["diverged_at"] for i, r in (p2 or {}).get("layers", {}).items()
                 if r.get("diverged_at") is not None}
     fix = "nothing was saved; lower the phase-2 learning rates (--phase2.lr, --phase2.lr_qkv) or check the options"
@@ -247,7 +242,6 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         "target": args.target,
         "phase2_attention": p2_attention,
         "phase2_kept_attention": p2_kept,
-        "phase2_kept_pattern": p2_pattern,
         "qk_norm_spare_pairs": qk_pairs,
         "teacher_params": _count(teacher.model),
         "hybrid_params": _count(hybrid),

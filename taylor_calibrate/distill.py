@@ -4,7 +4,6 @@
     loss = kl_weight * T^2 * KL(teacher_T || student_T)      per token, forward KL on the logits (optionally weighted
                                                              per position: --train.far_weight)
          + hidden_weight * sum_l |h_l - h_l^T|^2 / |h_l^T|^2  every layer's output (optional)
-         + attn_weight * KL(A^T || A) at sampled queries      the kept heads' attention distributions (optional)
          + ce_weight * CE(student, next token)                (optional)
 
 The KL runs over chunks of tokens (`chunked_kl`: fp32 softmaxes of one chunk at a time, its gradient formed in the
@@ -46,10 +45,10 @@ from taylor_calibrate.config import GDN_TYPE, DistillArgs, TrainArgs, apply_prof
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.export import REPORT, check_finite, load_model, staged_dir
-from taylor_calibrate.model.hybrid import gdn_heads, kept_heads
+from taylor_calibrate.model.hybrid import gdn_heads
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend
-from taylor_calibrate.stats import Collectors, FarMass, KeptAttention, attention_kl, observing
+from taylor_calibrate.stats import FarMass, observing
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 from taylor_calibrate.training import Clock, autocast, warmup_cosine
 
@@ -213,30 +212,12 @@ def chunked_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float, weigh
     return _ChunkedKL.apply(s_logits, t_logits, tau, chunk, kernel, weights)
 
 
-ATTN_QUERIES = 64
-"""Query positions per micro-batch at which --train.attn_weight compares the kept heads' attention: drawn anew each
-micro-batch from the last three quarters of the row (the first queries have few keys to choose from)."""
-
-
-def attention_queries(seq_len: int, seed: int, step: int, micro: int) -> torch.Tensor:
-    """The sorted query positions of one micro-batch: a function of (seed, step, micro-batch), like its rows."""
-    low = seq_len // 4
-    g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + micro)
-    return (torch.randperm(seq_len - low, generator=g)[:ATTN_QUERIES] + low).sort().values
-
-
 def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs,
-            kl_fn=forward_kl, weights: torch.Tensor | None = None,
-            attention: tuple[KeptAttention, KeptAttention] | None = None) -> tuple[torch.Tensor, dict]:
+            kl_fn=forward_kl, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The distillation loss of the module docstring, mean over tokens (the KL's tokens weighted by `weights` (B, T)
-    when given; the attention term from the (teacher, student) collectors of --train.attn_weight); returns (loss,
-    its parts as floats)."""
+    when given); returns (loss, its parts as floats)."""
     parts = {}
     loss = 0.0
-    if attention is not None:
-        akl = attention_kl(*attention)
-        loss = loss + args.attn_weight * akl
-        parts["attn_kl"] = akl.detach()
     if args.kl_weight:
         kl = kl_fn(student_out.logits, teacher_out.logits, args.temperature, weights)
         loss = loss + args.kl_weight * kl
@@ -511,16 +492,10 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     kl_fn = (functools.partial(chunked_kl, chunk=args.kl_chunk, kernel=kernel) if args.kl_chunk
              else torch.compile(forward_kl) if compiled else forward_kl)
     layers = student.config.gdn_layers
-    groups = {i: student.config.kept_groups(i) for i in layers}
-    far = FarMass(gdn_heads(teacher.config, layers, groups)) if args.far_weight else None
-    attention = None
-    if args.attn_weight:
-        kept = kept_heads(teacher.config, layers, groups)
-        if not kept:
-            raise ValueError("--train.attn_weight compares the heads that stay attention, and this student keeps none")
-        attention = (KeptAttention(kept), KeptAttention())
-    # an observed model (far_weight, attn_weight) runs eagerly: its attention goes through the statistics pass
-    to_compile = [m for m, watched in ((student, attention), (teacher, far or attention)) if not watched]
+    far = FarMass(gdn_heads(teacher.config, layers, {i: student.config.kept_groups(i) for i in layers})) \
+        if args.far_weight else None
+    # an observed teacher (far_weight) runs eagerly: its attention goes through the statistics pass
+    to_compile = [student] + ([] if far else [teacher])
     if compiled:
         compile_layers(*to_compile)
     model = wrap(student, ctx, args.parallel, device)
@@ -576,19 +551,14 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             ids = repeat_spans(rows[windows], windows, args.repeat_spans, args.seed, step)
             ids = recall_rows(ids, windows, args.recall_rows, args.seed, step).to(device, non_blocking=True)
             hidden = args.hidden_weight > 0
-            if attention:
-                for a in attention:
-                    a.rows = attention_queries(ids.shape[1], args.seed, step, j).to(device)
-            watch = observing(teacher, Collectors(far, attention and attention[0])) if far or attention \
-                else nullcontext()
-            with torch.no_grad(), autocast(device), watch:
+            with torch.no_grad(), autocast(device), observing(teacher, far) if far else nullcontext():
                 t_out = teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden)
             weights = far.weights(args.far_weight) if far else None
             sync = nullcontext() if j == accum - 1 or not hasattr(model, "no_sync") else model.no_sync()
             with sync:
-                with autocast(device), observing(student, attention[1]) if attention else nullcontext():
+                with autocast(device):
                     s_out = model(input_ids=ids, use_cache=False, output_hidden_states=hidden)
-                loss, parts = kd_loss(s_out, t_out, ids, args, kl_fn, weights, attention)
+                loss, parts = kd_loss(s_out, t_out, ids, args, kl_fn, weights)
                 (loss / accum).backward()
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v / accum

@@ -194,7 +194,7 @@ class FarMass:
         return w / w.mean()
 
 
-_ACTIVE = None  # the collector the attention function below feeds (_Collector, _NeedleProbe, FarMass, KeptAttention)
+_ACTIVE = None  # the collector the attention function below feeds (a _Collector, a _NeedleProbe or a FarMass)
 
 
 def _stats_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -368,54 +368,6 @@ def row_scores(query, key, rows, scaling, window=None, softcap=None) -> torch.Te
     if window is not None:
         visible &= pos[None, :] > rows[:, None] - window
     return s.masked_fill(~visible, float("-inf"))
-
-
-class KeptAttention:
-    """During one forward (`observing`), the log attention distributions of query heads `heads` ({layer: heads};
-    None: every head of every attention module) at query positions `rows` (set per batch), to compare the teacher's
-    and the hybrid's kept heads there (`attention_kl`: --train.attn_weight, --phase2.kept_pattern). Logs taken with
-    gradients keep their graph."""
-
-    def __init__(self, heads: dict[int, list[int]] | None = None):
-        self.heads, self.rows = heads, None
-        self.logp: dict[int, torch.Tensor] = {}
-        self._index: dict[tuple, torch.Tensor] = {}
-
-    def observe(self, module, query, key, out, scaling, window, softcap):
-        i = module.layer_idx
-        if self.heads is not None:
-            if not self.heads.get(i):
-                return
-            at = (i, str(query.device))
-            if at not in self._index:
-                self._index[at] = torch.tensor(self.heads[i], device=query.device)
-            idx = self._index[at]  # each query head with its own KV group
-            query, key = query.index_select(1, idx), key.index_select(1, idx // (query.shape[1] // key.shape[1]))
-        self.logp[i] = row_scores(query, key, self.rows, scaling, window, softcap).log_softmax(-1)
-
-
-def attention_kl(teacher: KeptAttention, student: KeptAttention) -> torch.Tensor:
-    """Mean over layers, then over rows, heads and query positions, of KL(teacher || student) between the attention
-    distributions the two collectors logged in their last forwards (same heads, same positions); empties both."""
-    kls = []
-    for i, ls in student.logp.items():
-        lt = teacher.logp[i]
-        kls.append(torch.where(lt.isfinite(), lt.exp() * (lt - ls), 0.0).sum(-1).mean())
-    teacher.logp, student.logp = {}, {}
-    if not kls:
-        raise RuntimeError("attention_kl: no attention was observed (does the student keep any attention heads?)")
-    return torch.stack(kls).mean()
-
-
-class Collectors:
-    """Several collectors fed by one observed forward (`observing(model, Collectors(a, b))`); None entries skipped."""
-
-    def __init__(self, *collectors):
-        self.collectors = [c for c in collectors if c is not None]
-
-    def observe(self, *args):
-        for c in self.collectors:
-            c.observe(*args)
 
 
 class _NeedleProbe:

@@ -79,11 +79,10 @@ def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str
 
 def label(r: dict) -> str:
     """A row's name: its policy, its seed when not 0, the phase-2 options it departs from the defaults with (kept
-    attention or its patterns re-aligned, far_weight), and for an end-to-end row its training flags (the `--train.*`
+    attention re-aligned, far_weight), and for an end-to-end row its training flags (the `--train.*`
     part of its distill flags)."""
     name = r["policy"] + (f" (seed {r['seed']})" if r.get("seed") else "")
     name += " + kept attention re-aligned" if r.get("phase2_kept_attention") else ""
-    name += " + kept patterns re-aligned" if r.get("phase2_kept_pattern") else ""
     far = r.get("phase2_far_weight", 0.0)  # rows from before the option had none: 0
     name += f" + far_weight {far:g}" if far is not None and far != AlignArgs.far_weight else ""
     if not r["distill_tokens"]:
@@ -180,7 +179,6 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
                "kv_fraction": report["kv_fraction"], "ppl": report["hybrid_ppl"], "distill_tokens": 0, "seed": seed,
                "kept_layers": report["kept_layers"], "headwise_kept_groups": report["headwise_kept_groups"],
                "phase2_kept_attention": report["phase2_kept_attention"] is not None,
-               "phase2_kept_pattern": report["phase2_kept_pattern"] is not None,
                "phase2_far_weight": conv.phase2.far_weight if conv.align else None,
                "answer_logprob": answer_scores(hybrid, long_probes)["logprob"],
                "probe_retrieval": report["retrieval"]["hybrid"] if report["retrieval"] else None,

@@ -72,9 +72,3 @@ def test_niah_generation_budget_and_seed_reach_the_scorer(module, monkeypatch, t
     else:
         mod._niah(torch.nn.Linear(1, 1), None, TradeoffArgs(niah_new_tokens=64, niah_seed=3, out=str(tmp_path)), "x")
     assert seen["max_new_tokens"] == 64 and seen["seed"] == 3
-
-
-def test_phase2_kept_realignments_are_exclusive():
-    """--phase2.kept_attention and --phase2.kept_pattern both re-align the kept attention: one at a time."""
-    with pytest.raises(ValueError, match="choose one"):
-        AlignArgs(kept_attention=True, kept_pattern=True)

@@ -118,63 +118,6 @@ def test_far_weight_weighs_the_kl_by_the_teachers_far_attention(assets):
     assert runs["0"][0] != pytest.approx(runs["3"][0], rel=1e-6) and all(math.isfinite(k) for k in runs["3"])
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_attention_loss_compares_the_kept_heads(arch):
-    """--train.attn_weight's collectors: the teacher's kept heads (a kept layer's all, a head-wise layer's kept
-    groups) line up with the student's attention modules, their logged distributions are the model's own attention
-    at the sampled queries, equal where the student's inputs are still the teacher's, and the KL trains the GDN
-    layers upstream of a kept head."""
-    from conftest import tiny_teacher
-
-    from taylor_calibrate.distill import attention_queries
-    from taylor_calibrate.model.hybrid import kept_heads
-    from taylor_calibrate.stats import KeptAttention, attention_kl, observing
-
-    teacher = tiny_teacher(arch)  # 4 layers, 2 KV groups of 2 query heads
-    groups = {1: [0], 2: [1]}
-    student = convert_teacher(teacher, [1, 2, 3], GDNConfig(), kept_groups=groups)
-    kept = kept_heads(teacher.config, [1, 2, 3], groups)
-    assert kept == {0: [0, 1, 2, 3], 1: [0, 1], 2: [2, 3]}
-    ids = torch.randint(0, teacher.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-    rows = attention_queries(40, seed=0, step=1, micro=0)
-    assert rows.tolist() == sorted(set(rows.tolist())) and len(rows) == 30 and rows.min() >= 10  # last 3/4
-    t_col, s_col = KeptAttention(kept), KeptAttention()
-    t_col.rows = s_col.rows = rows
-    with one_thread():
-        with torch.no_grad(), observing(teacher, t_col):
-            teacher(input_ids=ids, use_cache=False)
-        eager = teacher(input_ids=ids, use_cache=False, output_attentions=True).attentions
-        with observing(student, s_col):
-            student(input_ids=ids, use_cache=False)
-    assert sorted(t_col.logp) == sorted(s_col.logp) == [0, 1, 2]
-    for i, heads in kept.items():  # the teacher's log: its own attention at those heads and queries
-        torch.testing.assert_close(t_col.logp[i].exp(), eager[i][:, heads][:, :, rows], rtol=1e-4, atol=1e-5)
-    for i in (0, 1):  # layers 0-1 read the teacher's own residual stream: same distributions
-        torch.testing.assert_close(s_col.logp[i].exp(), t_col.logp[i].exp(), rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(s_col.logp[2].exp(), t_col.logp[2].exp(), atol=1e-3)  # past a GDN part: not
-    loss = attention_kl(t_col, s_col)
-    assert torch.isfinite(loss) and loss > 0 and t_col.logp == {} == s_col.logp
-    loss.backward()
-    assert student.gdn_mixers[1].q_proj.weight.grad.abs().sum() > 0  # GDN heads of layer 1 feed layer 2's kept head
-    assert student.gdn_mixers[3].q_proj.weight.grad is None  # nothing kept reads layer 3
-
-
-def test_attention_loss_adds_to_the_loss(assets):
-    """--train.attn_weight on the CLI: each step logs the kept heads' attention KL, and the loss is kl + w x it; with
-    --train.far_weight too, one observed teacher forward feeds both (the same attention KL, a reweighted KL)."""
-    root, _, corpus = assets
-    runs = {}
-    for name, more in (("attn", []), ("attn_far", ["--train.far_weight", "3"])):
-        with one_thread():
-            assert main(_argv(root, corpus, root / name, 2, "--train.attn_weight", "2.0", *more)) == 0
-        runs[name] = [r for r in _records(root / name) if "kl" in r]
-        assert len(runs[name]) == 2
-        for r in runs[name]:
-            assert r["attn_kl"] > 0 and r["loss"] == pytest.approx(r["kl"] + 2.0 * r["attn_kl"], rel=1e-5)
-    first, both = runs["attn"][0], runs["attn_far"][0]
-    assert both["attn_kl"] == pytest.approx(first["attn_kl"], rel=1e-5) and both["kl"] != pytest.approx(first["kl"])
-
-
 def _run(argv, env_extra=None, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.Popen([sys.executable, "-m", "taylor_calibrate", *argv], env=env, stdout=subprocess.PIPE,
@@ -257,7 +200,7 @@ def test_torchrun_two_processes_follow_one(assets, parallel):
     (["--train.batch_size", "0"], "batch_size=0"),
     (["--train.train", "everything"], "train='everything'"),
     (["--train.kl_weight", "0"], "not all 0"),
-    (["--train.attn_weight", "-1"], "attn_weight=-1"),
+    (["--train.far_weight", "-1"], "far_weight=-1"),
 ])
 def test_bad_options_are_clear_errors(assets, more, match, capsys, tmp_path):
     root, _, corpus = assets
