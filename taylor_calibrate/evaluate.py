@@ -224,6 +224,7 @@ def run_eval(args: EvalArgs) -> dict:
             times["teacher_niah_s"] = time.perf_counter() - t
         for kind in REPLY_KINDS:
             report[f"niah_{kind}"] = {who: reply_rates(a, kind) for who, a in answers.items()}
+        report["niah_by_distance"] = {who: reply_rates(a, "right", by="distance") for who, a in answers.items()}
         write_text(out / NIAH_ANSWERS, "".join(json.dumps({"model": who, **r}) + "\n"
                                               for who, a in answers.items() for r in a))
     if args.lm_eval_tasks:

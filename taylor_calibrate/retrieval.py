@@ -65,6 +65,7 @@ class Sample:
     answer: str  # the string the continuation must contain
     depth: float  # intended depth of the asked needle in the haystack, in [0, 1]
     needle: str  # the asked needle sentence, as it appears in the prompt
+    distance: int  # tokens from the asked needle's first to the prompt's last: how far back the answer sits
     distractors: tuple[str, ...] = ()  # the other needles' answers (multikey): saying one is confusing the keys
 
 
@@ -179,8 +180,9 @@ def make_sample(task: str, tokenizer, length: int, depth: float, rng: random.Ran
     n = most_that_fit(lambda n: _num_tokens(tokenizer, template.format(context=_insert(_haystack(task, n, words),
                                                                                               needles))), budget, fixed)
     prompt = template.format(context=_insert(_haystack(task, n, words), needles))
+    distance = len(tokenizer(prompt[prompt.index(needle):], add_special_tokens=False)["input_ids"])
     return Sample(task=task, length=length, prompt=prompt, answer=answer, depth=depth, needle=needle,
-                  distractors=distractors)
+                  distance=distance, distractors=distractors)
 
 
 def depths(samples: int) -> list[float]:
@@ -234,8 +236,8 @@ def accuracy(model, tokenizer, samples: list[Sample], max_new_tokens: int = NEW_
         for s, t, r in zip(samples, texts, right):
             confused = (not r and any(d in t for d in s.distractors)) if s.distractors else None
             first = re.search(r"\d+", t)
-            answers.append({"task": s.task, "length": s.length, "depth": s.depth, "answer": s.answer, "output": t,
-                            "right": r, "first_right": first is not None and first.group() == s.answer,
+            answers.append({"task": s.task, "length": s.length, "depth": s.depth, "distance": s.distance,
+                            "answer": s.answer, "output": t, "right": r, "first_right": first is not None and first.group() == s.answer,
                             "distractor": confused, "no_number": first is None})
     return sum(right) / len(samples)
 
@@ -244,16 +246,30 @@ REPLY_KINDS = ("first_right", "distractor", "no_number")
 """What `reply_rates` can count, beside the accuracy, in every report that scores NIAH by generation."""
 
 
-def reply_rates(answers: list[dict], kind: str) -> dict:
-    """{task: {str(length): share of its replies with `kind` true}} over the records `accuracy` wrote, for the tasks
-    where `kind` applies. "first_right": the strict accuracy (the reply's first number is the answer); "distractor"
-    (multikey): the keys confused rather than nothing retrieved; "no_number": no answer in the needle's form at
-    all, a failure of the reply's form that a wrong number is not."""
+def distance_bin(distance: int) -> int:
+    """The bin of a needle `distance` tokens back: the power of two N >= 512 with N / 2 < distance <= N (512 for
+    every distance up to 512)."""
+    n = 512
+    while n < distance:
+        n *= 2
+    return n
+
+
+def reply_rates(answers: list[dict], kind: str, by: str = "length") -> dict:
+    """{task: {cell: share of its replies with `kind` true}} over the records `accuracy` wrote, for the tasks where
+    `kind` applies; cells are str(length), or with by="distance" str(distance_bin(distance)): how far back the
+    asked needle sat, whatever the prompt's length, so a retrieval horizon shows as a fall past some distance.
+    "right": the accuracy; "first_right": the strict accuracy (the reply's first number is the answer);
+    "distractor" (multikey): the keys confused rather than nothing retrieved; "no_number": no answer in the needle's
+    form at all, a failure of the reply's form that a wrong number is not."""
+    if by not in ("length", "distance"):
+        raise ValueError(f"reply_rates by={by!r}: choose 'length' or 'distance'")
     cells: dict = {}
     for a in answers:
         if a.get(kind) is not None:
-            cells.setdefault(a["task"], {}).setdefault(str(a["length"]), []).append(a[kind])
-    return {t: {n: sum(v) / len(v) for n, v in by_len.items()} for t, by_len in cells.items()}
+            cell = a["length"] if by == "length" else distance_bin(a["distance"])
+            cells.setdefault(a["task"], {}).setdefault(cell, []).append(a[kind])
+    return {t: {str(n): sum(v) / len(v) for n, v in sorted(by_cell.items())} for t, by_cell in cells.items()}
 
 
 def niah_scores(model, tokenizer, tasks=TASKS, lengths=LENGTHS, samples: int = 20, seed: int = 0,

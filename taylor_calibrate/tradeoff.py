@@ -34,14 +34,15 @@ RESULT = "tradeoff.json"
 
 
 def _niah(model, tokenizer, args: TradeoffArgs, name: str) -> dict:
-    """{"niah": accuracies, "niah_<kind>": the share of replies of each `retrieval.REPLY_KINDS`}; every answer to
-    <out>/answers/<name>.jsonl."""
+    """{"niah": accuracies, "niah_<kind>": the share of replies of each `retrieval.REPLY_KINDS`, "niah_by_distance":
+    the accuracy by how far back the needle sat}; every answer to <out>/answers/<name>.jsonl."""
     answers = []
     scores = niah_scores(model, tokenizer, tasks=args.niah_tasks, lengths=args.niah_lengths,
                          samples=args.niah_samples, seed=args.niah_seed, batch_size=args.eval_batch_size,
                          max_new_tokens=args.niah_new_tokens, answers=answers)
     write_text(Path(args.out) / "answers" / f"{name}.jsonl", "".join(json.dumps(a) + "\n" for a in answers))
-    return {"niah": scores, **{f"niah_{kind}": reply_rates(answers, kind) for kind in REPLY_KINDS}}
+    return {"niah": scores, **{f"niah_{kind}": reply_rates(answers, kind) for kind in REPLY_KINDS},
+            "niah_by_distance": reply_rates(answers, "right", by="distance")}
 
 
 def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str, tag: str,
@@ -115,7 +116,26 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         row(label(r), r["granularity"], f"{r['kv_fraction']:.1%}", r["distill_tokens"], r["ppl"],
             r["ppl"] / t["ppl"], r["answer_logprob"], r["niah"])
-    return "\n".join(lines) + f"\n\nAnswer log-probability: teacher-forced, at {result['logprob_length']} tokens.\n"
+    return ("\n".join(lines) + f"\n\nAnswer log-probability: teacher-forced, at {result['logprob_length']} tokens.\n"
+            + distance_table(result))
+
+
+def distance_table(result: dict) -> str:
+    """The NIAH accuracy by how far back the asked needle sat (`niah_by_distance`), teacher and rows, as markdown;
+    empty for results from before the field."""
+    named = [("teacher", result["teacher"])] + [(label(r), r) for r in result["rows"]]
+    named = [(name, r["niah_by_distance"]) for name, r in named if r.get("niah_by_distance")]
+    if not named:
+        return ""
+    tasks = result["niah_tasks"]
+    bins = {t: sorted({int(b) for _, d in named for b in d.get(t, {})}) for t in tasks}
+    lines = ["| model | " + " | ".join(f"{t} <={b}" for t in tasks for b in bins[t]) + " |",
+             "|" + "---|" * (1 + sum(len(b) for b in bins.values()))]
+    for name, d in named:
+        cells = [f"{d[t][str(b)]:.2f}" if str(b) in d.get(t, {}) else "-" for t in tasks for b in bins[t]]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return ("\nNIAH accuracy by how far back the asked needle sat: tokens from it to the prompt's end, each column "
+            "the distances in (N/2, N] (up to 512 in the first).\n\n" + "\n".join(lines) + "\n")
 
 
 def plot(result: dict, path: Path) -> None:

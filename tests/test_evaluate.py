@@ -84,6 +84,8 @@ def test_eval_cli_niah_agreement_lm_eval(saved, tmp_path, capsys, single_thread)
     assert [a["model"] for a in answers] == ["model"] * 3 + ["teacher"] * 3  # one prompt per task at 256 tokens
     assert set(report["niah_distractor"]) == {"model", "teacher"} and "multikey" in report["niah_distractor"]["model"]
     assert set(report["niah_no_number"]["model"]) == {"single", "multikey", "passkey"}
+    assert set(report["niah_by_distance"]["model"]) == {"single", "multikey", "passkey"} == \
+        set(report["niah_by_distance"]["teacher"])
     a = report["agreement"]
     assert a["tokens"] == 2 * 64 and a["kl"] > 0 and 0 <= a["top1"] <= 1
     assert report["lm_eval"]["tiny_mc"]["samples"] == 4 and 0 <= report["lm_eval"]["tiny_mc"]["acc,none"] <= 1

@@ -5,8 +5,8 @@ import re
 import pytest
 import torch
 
-from taylor_calibrate.retrieval import (NEW_TOKENS, TASKS, accuracy, generate_continuations, make_sample,
-                                        make_samples, niah_scores, reply_rates, tolerance)
+from taylor_calibrate.retrieval import (NEW_TOKENS, TASKS, accuracy, distance_bin, generate_continuations,
+                                        make_sample, make_samples, niah_scores, reply_rates, tolerance)
 from conftest import tiny_teacher
 
 
@@ -40,6 +40,32 @@ def test_needle_holds_the_answer_at_its_depth(task, smollm2_tokenizer):
             assert f"The special magic number for {key} is: {s.answer}." == s.needle
             found = re.findall(r"magic number for (\S+) is: (\d{7})\.", ctx)
             assert len(found) == 4 and len({k for k, _ in found}) == 4, "four needles with distinct keys"
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_distance_counts_the_tokens_from_the_needle_to_the_question(task, smollm2_tokenizer):
+    """A sample's distance: the tokens from its asked needle to the prompt's end, so it falls as the needle goes
+    deeper, from about the prompt's length (needle first) to the needle and question (needle last)."""
+    samples = make_samples(task, smollm2_tokenizer, 1024, 5)
+    n = len(smollm2_tokenizer(samples[0].prompt, add_special_tokens=False)["input_ids"])
+    dist = [s.distance for s in samples]
+    assert dist == sorted(dist, reverse=True) and len(set(dist)) == 5
+    assert n - 64 < dist[0] <= n  # only the instruction line before the first needle
+    tail = samples[-1].prompt[samples[-1].prompt.index(samples[-1].needle):]
+    assert dist[-1] == len(smollm2_tokenizer(tail, add_special_tokens=False)["input_ids"]) < 100
+
+
+def test_replies_binned_by_distance():
+    """reply_rates by="distance": cells are power-of-two bins (N/2, N] of how far back the needle sat, whatever the
+    prompt's length; anything else for `by` is a clear error."""
+    assert [distance_bin(d) for d in (1, 512, 513, 1024, 1025, 5000)] == [512, 512, 1024, 1024, 2048, 8192]
+    answers = [{"task": "single", "length": 4096, "distance": d, "right": r}
+               for d, r in ((100, True), (900, True), (1000, False), (3000, False), (3500, True))]
+    answers.append({"task": "single", "length": 1024, "distance": 700, "right": True})
+    assert reply_rates(answers, "right", by="distance") == {"single": {"512": 1.0, "1024": 2 / 3, "4096": 0.5}}
+    assert reply_rates(answers, "right") == {"single": {"1024": 1.0, "4096": 0.6}}
+    with pytest.raises(ValueError, match="choose 'length' or 'distance'"):
+        reply_rates(answers, "right", by="depth")
 
 
 @pytest.mark.parametrize("length", [1024, 2048])
@@ -119,6 +145,8 @@ def test_answers_record_every_reply_and_multikey_key_confusions(smollm2_tokenize
     answers = []
     scores = niah_scores(stub, smollm2_tokenizer, lengths=(512,), samples=2, answers=answers)
     assert len(answers) == 3 * 2 and all(a["right"] == right for a in answers)
+    assert all(0 < a["distance"] <= 512 for a in answers) and reply_rates(answers, "right", by="distance") == \
+        {t: {"512": float(right)} for t in TASKS}
     assert all((a["answer"] in a["output"]) == right for a in answers)  # the reply as the model gave it
     assert [a["distractor"] is None for a in answers] == [t != "multikey" for t in TASKS for _ in range(2)]
     assert reply_rates(answers, "distractor") == {"multikey": {"512": rate}}
