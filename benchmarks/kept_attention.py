@@ -1,6 +1,8 @@
 """Where a hybrid loses a needle: per head that stays softmax attention, the attention mass the positions predicting
 a retrieval answer put on the needle's copy of it, in the teacher and in the hybrid (teacher-forced evaluation
-probes, the ones `eval --niah` draws for --niah_seed 0), beside the answer's log-probability in each.
+probes, the ones `eval --niah` draws for --niah_seed 0), beside the answer's log-probability in each; and the share
+of the teacher's needle mass, over all its heads, that lies in the heads the hybrid keeps (`coverage`: low when the
+selection left retrieval heads to GDN, high when the loss happens in heads that stayed attention).
 
     python benchmarks/kept_attention.py --model out/hybrid --lengths 1024,4096 --out /tmp/kept_attention.json
 
@@ -27,7 +29,8 @@ from taylor_calibrate.teacher import load_teacher, resolve_device
 
 
 def measure(hybrid, teacher, tokenizer, tasks, lengths, samples: int, min_mass: float) -> list[dict]:
-    """One cell per (task, length): the answer's mean log-prob in both models and the retrieval heads' needle mass."""
+    """One cell per (task, length): the answer's mean log-prob in both models, the retrieval heads' needle mass, and
+    the kept heads' share of the teacher's needle mass over all heads."""
     layers = hybrid.config.gdn_layers
     kept = kept_heads(teacher.config, layers, {i: hybrid.config.kept_groups(i) for i in layers})
     cells = []
@@ -42,7 +45,9 @@ def measure(hybrid, teacher, tokenizer, tasks, lengths, samples: int, min_mass: 
                     if tm >= min_mass:
                         heads.append({"layer": i, "head": head, "teacher": tm, "hybrid": hm})
             kept_share = sum(x["hybrid"] for x in heads) / max(sum(x["teacher"] for x in heads), 1e-9)
-            cells.append({"task": task, "length": n, "probes": len(probes),
+            total = sum(float(m.mean(0).sum()) for m in t.values())
+            coverage = sum(float(t[i].mean(0)[idx].sum()) for i, idx in kept.items()) / max(total, 1e-9)
+            cells.append({"task": task, "length": n, "probes": len(probes), "coverage": coverage,
                           "teacher_logprob": answer_scores(teacher, probes)["logprob"],
                           "hybrid_logprob": answer_scores(hybrid, probes)["logprob"],
                           "kept_share": kept_share, "heads": heads})
@@ -50,12 +55,12 @@ def measure(hybrid, teacher, tokenizer, tasks, lengths, samples: int, min_mass: 
 
 
 def table(cells: list[dict]) -> str:
-    lines = ["| task | length | answer log-prob teacher / hybrid | needle mass kept (hybrid / teacher, retrieval "
-             "heads) | heads: layer.head teacher > hybrid |", "|---|---|---|---|---|"]
+    lines = ["| task | length | answer log-prob teacher / hybrid | teacher's needle mass in kept heads | needle mass "
+             "kept (hybrid / teacher, retrieval heads) | heads: layer.head teacher > hybrid |", "|---|---|---|---|---|---|"]
     for c in cells:
         heads = ", ".join(f"{x['layer']}.{x['head']} {x['teacher']:.2f} > {x['hybrid']:.2f}" for x in c["heads"])
         lines.append(f"| {c['task']} | {c['length']} | {c['teacher_logprob']:.2f} / {c['hybrid_logprob']:.2f} | "
-                     f"{c['kept_share']:.2f} | {heads} |")
+                     f"{c['coverage']:.2f} | {c['kept_share']:.2f} | {heads} |")
     return "\n".join(lines)
 
 

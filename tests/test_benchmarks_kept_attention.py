@@ -1,6 +1,6 @@
 """benchmarks/kept_attention.py on a tiny local teacher and a head-wise hybrid of it (CPU): every kept head is listed
-under its teacher number, the heads before the first GDN layer keep the teacher's needle mass exactly, and one past
-a GDN part does not."""
+under its teacher number, the heads before the first GDN layer keep the teacher's needle mass exactly, one past a
+GDN part does not, and the kept heads hold part of the teacher's needle mass (coverage)."""
 import json
 
 import pytest
@@ -32,4 +32,8 @@ def test_tiny_run(tmp_path):
         if layer < 2:  # layer 0 is the teacher's; layer 1's kept part (heads 2-3: its second group) reads its output
             assert x["hybrid"] == pytest.approx(x["teacher"], abs=1e-5)
     assert any(abs(x["hybrid"] - x["teacher"]) > 1e-4 for (layer, _), x in heads.items() if layer == 2)
+    # coverage: the kept heads' share of the teacher's needle mass over all 4 x 4 heads (min-mass 0 lists them all)
+    assert 0 < cell["coverage"] < 1
+    kept_mass = sum(x["teacher"] for x in heads.values())
+    assert kept_mass / cell["coverage"] > kept_mass + 1e-6  # the converted heads held some of it
     assert "| single | 512 |" in out.with_suffix(".md").read_text()
