@@ -56,7 +56,8 @@ def measure(hybrid, teacher, tokenizer, tasks, lengths, samples: int, min_mass: 
 
 def table(cells: list[dict]) -> str:
     lines = ["| task | length | answer log-prob teacher / hybrid | teacher's needle mass in kept heads | needle mass "
-             "kept (hybrid / teacher, retrieval heads) | heads: layer.head teacher > hybrid |", "|---|---|---|---|---|---|"]
+             "kept (hybrid / teacher, retrieval heads) | heads: layer.head teacher > hybrid |",
+             "|---|---|---|---|---|---|"]
     for c in cells:
         heads = ", ".join(f"{x['layer']}.{x['head']} {x['teacher']:.2f} > {x['hybrid']:.2f}" for x in c["heads"])
         lines.append(f"| {c['task']} | {c['length']} | {c['teacher_logprob']:.2f} / {c['hybrid_logprob']:.2f} | "

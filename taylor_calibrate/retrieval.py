@@ -237,7 +237,8 @@ def accuracy(model, tokenizer, samples: list[Sample], max_new_tokens: int = NEW_
             confused = (not r and any(d in t for d in s.distractors)) if s.distractors else None
             first = re.search(r"\d+", t)
             answers.append({"task": s.task, "length": s.length, "depth": s.depth, "distance": s.distance,
-                            "answer": s.answer, "output": t, "right": r, "first_right": first is not None and first.group() == s.answer,
+                            "answer": s.answer, "output": t, "right": r,
+                            "first_right": first is not None and first.group() == s.answer,
                             "distractor": confused, "no_number": first is None})
     return sum(right) / len(samples)
 

@@ -32,7 +32,8 @@ def test_tiny_run(tmp_path):
     assert {"commit", "dirty", "args", "env", "command"} <= set(res)
     assert res["teacher"]["niah_by_distance"]["passkey"] and all(r["niah_by_distance"] for r in res["rows"])
     md = (out / "tradeoff.md").read_text()
-    assert "by how far back the asked needle sat" in md and "| passkey <=512 |" in md and (out / "tradeoff.png").exists()
+    assert "by how far back the asked needle sat" in md and "| passkey <=512 |" in md
+    assert (out / "tradeoff.png").exists()
     # a rerun into the same --out is allowed (an earlier tradeoff output); a foreign non-empty dir is not
     foreign = tmp_path / "foreign"
     foreign.mkdir()
