@@ -551,12 +551,12 @@ def projection_groups(a: nn.Module, args: AlignArgs) -> list[dict]:
             {"params": list(a.o_proj.parameters()), "lr": args.lr_o}]
 
 
-def fit_module(module: nn.Module, groups: list[dict], step_loss, evaluate, args: AlignArgs, what: str,
-               before: float | None = None) -> tuple[float, float, int]:
+def fit_module(module: nn.Module, groups: list[dict], step_loss, evaluate, args: AlignArgs,
+               what: str) -> tuple[float, int]:
     """Phase 2's loop for one module: AdamW over parameter `groups` (each with its "lr"; the module's other
     parameters stay), `args.steps` steps of `step_loss(step)` with phase 2's schedule and clipping, `evaluate()` every
     `log_every` steps and at the end; the best evaluated state is restored, so a module never ends worse than it
-    started (a non-finite evaluation stops the fit). Returns (evaluation before, best evaluation, its step: 0 when
+    started (a non-finite evaluation stops the fit). Returns (evaluation before, the best evaluation's step: 0 when
     nothing improved); the module's parameters are left frozen."""
     groups = [{**g, "base_lr": g["lr"]} for g in groups]
     trained = [p for g in groups for p in g["params"]]
@@ -565,7 +565,7 @@ def fit_module(module: nn.Module, groups: list[dict], step_loss, evaluate, args:
     for p in trained:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-    best = before = evaluate() if before is None else before
+    best = before = evaluate()
     best_state, best_step = [p.detach().clone() for p in trained], 0
     for step in range(1, args.steps + 1):
         loss = step_loss(step)
@@ -589,7 +589,7 @@ def fit_module(module: nn.Module, groups: list[dict], step_loss, evaluate, args:
             p.copy_(b)
     for p in trained:
         p.requires_grad_(False)
-    return before, best, best_step
+    return before, best_step
 
 
 def align_attention(attns: dict[int, RopedAttention], inputs: dict[int, Tensor], targets: dict[int, Tensor],
@@ -619,7 +619,7 @@ def align_attention(attns: dict[int, RopedAttention], inputs: dict[int, Tensor],
             per_pos = (out.float() - yb).pow(2).mean((0, 2))  # (T,)
             return (per_pos.sum() + (args.sink_weight - 1.0) * per_pos[0]) / (per_pos.numel() + args.sink_weight - 1.0)
 
-        before, _, best_step = fit_module(a, param_groups(a, args), step_loss,
+        before, best_step = fit_module(a, param_groups(a, args), step_loss,
                                           lambda: rel_mse(m, x[:n_eval], y[:n_eval], batch), args,
                                           f"align attention: layer {l}")
         a.to(dtype)
@@ -650,24 +650,19 @@ def mixer_inputs(model, rows: Tensor, layers, batch_size: int) -> dict[int, Tens
     return {i: torch.cat(c) for i, c in caught.items()}
 
 
-def kept_inputs(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size: int = 4):
-    """(rows cropped to `args.seq_len`, {layer: kept attention module}, what each module receives in the teacher, in
-    the hybrid): one pass of each model before any module moves (causal models give the positions kept the same
-    inputs as the uncropped rows would)."""
-    rows = rows if args.seq_len is None else rows[:, :args.seq_len]
-    attns = kept_attention(hybrid)
-    layers = sorted(attns)
-    return rows, attns, mixer_inputs(teacher, rows, layers, batch_size), mixer_inputs(hybrid, rows, layers, batch_size)
-
-
 def realign_kept(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size: int = 4) -> dict:
     """Re-align the hybrid's kept attention to the inputs the hybrid gives it (`--phase2.kept_attention`).
 
     Teacher forcing trains each GDN layer on the teacher's inputs; in the hybrid, every kept attention head after the
     first GDN layer reads a residual stream that the GDN layers before it have moved. Each kept attention module is
     trained (`align_attention`, q/k/v at `lr_qkv`, o_proj at `lr_o`) to produce from the hybrid's inputs what it
-    produced from the teacher's, on the inputs `kept_inputs` reads."""
-    rows, attns, x_teacher, x_hybrid = kept_inputs(hybrid, teacher, rows, args, batch_size)
+    produced from the teacher's. Both models' inputs to the kept modules are read in one pass each before any module
+    moves, on rows cropped to `args.seq_len` (causal models give the positions kept the inputs the whole rows would)."""
+    rows = rows if args.seq_len is None else rows[:, :args.seq_len]
+    attns = kept_attention(hybrid)
+    layers = sorted(attns)
+    x_teacher = mixer_inputs(teacher, rows, layers, batch_size)
+    x_hybrid = mixer_inputs(hybrid, rows, layers, batch_size)
     modules = {i: roped(hybrid, i, m) for i, m in attns.items()}
     targets = {}
     with torch.no_grad():

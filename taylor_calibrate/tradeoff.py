@@ -80,8 +80,8 @@ def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str
 
 def label(r: dict) -> str:
     """A row's name: its policy, its seed when not 0, the phase-2 options it departs from the defaults with (kept
-    attention re-aligned, far_weight), and for an end-to-end row its training flags (the `--train.*`
-    part of its distill flags)."""
+    attention re-aligned, far_weight), and for an end-to-end row its training flags (the `--train.*` part of its
+    distill flags)."""
     name = r["policy"] + (f" (seed {r['seed']})" if r.get("seed") else "")
     name += " + kept attention re-aligned" if r.get("phase2_kept_attention") else ""
     far = r.get("phase2_far_weight", 0.0)  # rows from before the option had none: 0
