@@ -1,0 +1,63 @@
+"""benchmarks/kept_sharpness.py: scaling the queries multiplies every softmax head's attention logits by the factor on
+each supported architecture (q/k-norm and Gemma's 1 + weight norm included); the benchmark restores the model between
+factors, records its provenance, and --save writes a hybrid whose kept queries alone are scaled."""
+import json
+
+import pytest
+import torch
+from conftest import load_benchmark, tiny_local_teacher, tiny_teacher
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from taylor_calibrate import GDNConfig, convert_teacher
+from taylor_calibrate.export import load_model, save_hybrid
+from taylor_calibrate.retrieval import answer_scores, eval_probes
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _attentions(model, ids):
+    with torch.no_grad():
+        return model(ids, output_attentions=True).attentions
+
+
+def test_scale_multiplies_logits(arch):
+    mod = load_benchmark("kept_sharpness")
+    model = tiny_teacher(arch)
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(0))
+    before = _attentions(model, ids)
+    assert mod.scale_queries(model, 2.0) > 0
+    after = _attentions(model, ids)
+    want = before[0].double() ** 2  # the first layer reads the same input: softmax(2 x logits) = p^2, renormalised
+    torch.testing.assert_close(after[0].double(), want / want.sum(-1, keepdim=True), atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(after[-1], before[-1])  # every layer's queries scaled, not only the first
+
+
+def test_tiny_run(tmp_path):
+    mod = load_benchmark("kept_sharpness")
+    teacher_dir, _ = tiny_local_teacher(tmp_path)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    hybrid = convert_teacher(teacher, [1, 2, 3], GDNConfig(), kept_groups={1: [1], 2: [0]},
+                             teacher_name=str(teacher_dir))
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    save_hybrid(hybrid, tok, tmp_path / "hybrid")
+    out = tmp_path / "res.json"
+    res = mod.main(["--model", str(tmp_path / "hybrid"), "--scales", "1,3", "--tasks", "single", "--lengths", "512",
+                    "--samples", "2", "--device", "cpu", "--save", str(tmp_path / "sharp"), "--save-scale", "3",
+                    "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert "commit" in saved and "env" in saved and saved["args"]["scales"] == "1,3"  # recorded with its provenance
+    base, _ = load_model(tmp_path / "hybrid")
+    probes = eval_probes(tok, 512, samples=2, tasks=("single",))
+    one, three = res["hybrid"]
+    assert one["logprob"] == pytest.approx(answer_scores(base, probes)["logprob"], abs=1e-5)  # factor 1: unchanged
+    assert three["logprob"] != pytest.approx(one["logprob"], abs=1e-4)
+    assert [r["scale"] for r in res["teacher_rows"]] == [1.0, 3.0]
+    sharp, _ = load_model(tmp_path / "sharp")
+    queries = {id(t) for t, _ in mod.query_weights(base)}
+    b, s = dict(base.named_parameters()), dict(sharp.named_parameters())
+    scaled = {n for n, w in b.items() if id(w) in queries}
+    # the softmax q_proj of layer 0, the kept heads' of layers 1-2; the GDN mixers' q_proj are not among them
+    assert len(scaled) == 3 and all(n.endswith("q_proj.weight") for n in scaled)
+    assert sum(n.endswith("q_proj.weight") for n in b) > 3
+    for name, w in b.items():  # tripled where scaled, everything else as saved
+        torch.testing.assert_close(s[name], w * 3 if name in scaled else w)
