@@ -108,6 +108,22 @@ def tiny_local_teacher(root, **over):
     return teacher_dir, corpus
 
 
+def tiny_saved_hybrid(root):
+    """A head-wise hybrid of `tiny_local_teacher` saved under root / "hybrid" (layer 0 softmax, layers 1-2 keep one KV
+    group each, layer 3 all GDN): (hybrid_dir, teacher_dir)."""
+    from transformers import AutoTokenizer
+
+    from taylor_calibrate import GDNConfig, convert_teacher
+    from taylor_calibrate.export import save_hybrid
+
+    teacher_dir, _ = tiny_local_teacher(root)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    hybrid = convert_teacher(teacher, [1, 2, 3], GDNConfig(), kept_groups={1: [1], 2: [0]},
+                             teacher_name=str(teacher_dir))
+    save_hybrid(hybrid, AutoTokenizer.from_pretrained(teacher_dir), root / "hybrid")
+    return root / "hybrid", teacher_dir
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """The embedded teacher's real tokenizer (loading it from the GGUF takes seconds: once per session)."""

@@ -4,24 +4,16 @@ GDN part does not, and the kept heads hold part of the teacher's needle mass (co
 import json
 
 import pytest
-from conftest import load_benchmark, tiny_local_teacher
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from taylor_calibrate import GDNConfig, convert_teacher
-from taylor_calibrate.export import save_hybrid
+from conftest import load_benchmark, tiny_saved_hybrid
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_tiny_run(tmp_path):
     mod = load_benchmark("kept_attention")
-    teacher_dir, _ = tiny_local_teacher(tmp_path)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
-    hybrid = convert_teacher(teacher, [1, 2, 3], GDNConfig(), kept_groups={1: [1], 2: [0]},
-                             teacher_name=str(teacher_dir))
-    save_hybrid(hybrid, AutoTokenizer.from_pretrained(teacher_dir), tmp_path / "hybrid")
+    hybrid_dir, _ = tiny_saved_hybrid(tmp_path)
     out = tmp_path / "res.json"
-    mod.main(["--model", str(tmp_path / "hybrid"), "--tasks", "single", "--lengths", "512", "--samples", "2",
+    mod.main(["--model", str(hybrid_dir), "--tasks", "single", "--lengths", "512", "--samples", "2",
               "--min-mass", "0", "--device", "cpu", "--out", str(out)])
     res = json.loads(out.read_text())
     assert "commit" in res and "env" in res and res["args"]["samples"] == 2  # recorded with its provenance

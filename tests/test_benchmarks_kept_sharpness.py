@@ -5,11 +5,10 @@ import json
 
 import pytest
 import torch
-from conftest import load_benchmark, tiny_local_teacher, tiny_teacher
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from conftest import load_benchmark, tiny_saved_hybrid, tiny_teacher
+from transformers import AutoTokenizer
 
-from taylor_calibrate import GDNConfig, convert_teacher
-from taylor_calibrate.export import load_model, save_hybrid
+from taylor_calibrate.export import load_model
 from taylor_calibrate.retrieval import answer_scores, eval_probes
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -34,19 +33,15 @@ def test_scale_multiplies_logits(arch):
 
 def test_tiny_run(tmp_path):
     mod = load_benchmark("kept_sharpness")
-    teacher_dir, _ = tiny_local_teacher(tmp_path)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
-    hybrid = convert_teacher(teacher, [1, 2, 3], GDNConfig(), kept_groups={1: [1], 2: [0]},
-                             teacher_name=str(teacher_dir))
+    hybrid_dir, teacher_dir = tiny_saved_hybrid(tmp_path)
     tok = AutoTokenizer.from_pretrained(teacher_dir)
-    save_hybrid(hybrid, tok, tmp_path / "hybrid")
     out = tmp_path / "res.json"
-    res = mod.main(["--model", str(tmp_path / "hybrid"), "--scales", "1,3", "--tasks", "single", "--lengths", "512",
+    res = mod.main(["--model", str(hybrid_dir), "--scales", "1,3", "--tasks", "single", "--lengths", "512",
                     "--samples", "2", "--device", "cpu", "--save", str(tmp_path / "sharp"), "--save-scale", "3",
                     "--out", str(out)])
     saved = json.loads(out.read_text())
     assert "commit" in saved and "env" in saved and saved["args"]["scales"] == "1,3"  # recorded with its provenance
-    base, _ = load_model(tmp_path / "hybrid")
+    base, _ = load_model(hybrid_dir)
     probes = eval_probes(tok, 512, samples=2, tasks=("single",))
     one, three = res["hybrid"]
     assert one["logprob"] == pytest.approx(answer_scores(base, probes)["logprob"], abs=1e-5)  # factor 1: unchanged
