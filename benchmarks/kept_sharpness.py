@@ -35,15 +35,18 @@ GRID = (0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0)
 """Query factors the entropy match interpolates between (a head outside them gets the nearest end)."""
 
 
+def softmax_attention(model) -> list:
+    """The modules that run softmax attention: those with a query projection, GDN mixers excepted."""
+    return [m for m in model.modules() if hasattr(m, "q_proj") and not isinstance(m, GatedDeltaNet)]
+
+
 def query_weights(model) -> list[tuple[torch.Tensor, bool]]:
     """(tensor, one_plus) for every tensor that scales a softmax head's queries: the query norm's weight where the
     architecture has one (it would undo a scaled projection; `one_plus`: Gemma's norm multiplies by 1 + weight, told
     by its class, since a hybrid's own model_type is taylor_hybrid), else the query projection's weight and bias.
     GDN mixers are skipped: their queries feed no softmax."""
     out = []
-    for m in model.modules():
-        if isinstance(m, GatedDeltaNet) or not hasattr(m, "q_proj"):
-            continue
+    for m in softmax_attention(model):
         if getattr(m, "q_norm", None) is not None and getattr(m.q_norm, "weight", None) is not None:
             out.append((m.q_norm.weight, type(m.q_norm).__name__.startswith("Gemma")))
         else:
@@ -130,8 +133,7 @@ def matched_factors(hybrid, teacher, rows: torch.Tensor, grid=GRID) -> dict[int,
 def scale_heads(hybrid, factors: dict[int, list[float]]) -> None:
     """Multiply each kept head's rows of its layer's query projection by its factor, in place."""
     hd = head_dim_of(hybrid.config)
-    mods = {m.layer_idx: m for m in hybrid.modules()
-            if hasattr(m, "q_proj") and hasattr(m, "layer_idx") and not isinstance(m, GatedDeltaNet)}
+    mods = {m.layer_idx: m for m in softmax_attention(hybrid)}
     for i, fs in factors.items():
         m = mods[i]
         if getattr(m, "q_norm", None) is not None:
