@@ -65,14 +65,13 @@ def scale_queries(model, factor: float) -> int:
     return len(tensors)
 
 
-def measure(model, tokenizer, scales, tasks, lengths, samples: int) -> list[dict]:
-    """The answer's mean log-prob and accuracy per (scale, length), the model restored afterwards."""
+def measure(model, probes: dict, scales) -> list[dict]:
+    """The answer's mean log-prob and accuracy on {length: probes} per scale, the model restored afterwards."""
     saved = [t.clone() for t, _ in query_weights(model)]
-    probes = {n: eval_probes(tokenizer, n, samples=samples, tasks=tuple(tasks)) for n in lengths}
     rows = []
     for s in scales:
         scale_queries(model, s)
-        for n in lengths:
+        for n in probes:
             r = answer_scores(model, probes[n])
             rows.append({"scale": s, "length": n, "probes": len(probes[n]), "logprob": r["logprob"], "acc": r["acc"],
                          "tasks": {k: v["logprob"] for k, v in r["tasks"].items()}})
@@ -176,13 +175,14 @@ def main(argv=None):
     if not hasattr(hybrid.config, "gdn_layers"):
         raise SystemExit(f"{a.model} is not a converted hybrid; pass the output directory of `convert`")
     tasks, lengths = a.tasks.split(","), [int(n) for n in a.lengths.split(",")]
-    res = {"model": a.model, "hybrid": measure(hybrid, tokenizer, scales, tasks, lengths, a.samples)}
+    probes = {n: eval_probes(tokenizer, n, samples=a.samples, tasks=tuple(tasks)) for n in lengths}  # one set for all
+    res = {"model": a.model, "hybrid": measure(hybrid, probes, scales)}
     spec = a.teacher or hybrid.config.teacher_name
     teacher = None
     if spec and spec != "none":
         teacher = load_teacher(spec, device, torch.float32)
         res["teacher"] = spec
-        res["teacher_rows"] = measure(teacher.model, teacher.tokenizer, scales, tasks, lengths, a.samples)
+        res["teacher_rows"] = measure(teacher.model, probes, scales)
     if a.match_entropy:
         if teacher is None:
             raise SystemExit("--match-entropy needs the teacher")
@@ -190,7 +190,7 @@ def main(argv=None):
         factors = matched_factors(hybrid, teacher.model, rows)
         res["matched_factors"] = {str(i): fs for i, fs in factors.items()}
         scale_heads(hybrid, factors)
-        res["matched"] = measure(hybrid, tokenizer, [1.0], tasks, lengths, a.samples)
+        res["matched"] = measure(hybrid, probes, [1.0])
         if a.save:
             save_hybrid(hybrid, tokenizer, a.save)
             res["saved"] = {"path": a.save, "factors": "matched_factors"}

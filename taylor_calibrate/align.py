@@ -620,8 +620,8 @@ def align_attention(attns: dict[int, RopedAttention], inputs: dict[int, Tensor],
             return (per_pos.sum() + (args.sink_weight - 1.0) * per_pos[0]) / (per_pos.numel() + args.sink_weight - 1.0)
 
         before, best_step = fit_module(a, param_groups(a, args), step_loss,
-                                          lambda: rel_mse(m, x[:n_eval], y[:n_eval], batch), args,
-                                          f"align attention: layer {l}")
+                                       lambda: rel_mse(m, x[:n_eval], y[:n_eval], batch), args,
+                                       f"align attention: layer {l}")
         a.to(dtype)
         report[l] = dict(rel_mse_before=before, rel_mse_after=rel_mse(m, x[:n_eval], y[:n_eval], batch),
                          best_step=best_step)
