@@ -530,8 +530,9 @@ class TrainArgs:
     train: str = "mixers"
     """Which parameters train: "mixers" (every converted layer's token mixer; in a head-wise layer both its GDN heads
     and its kept attention heads), "gdn" (the GDN heads only: kept attention stays the teacher's) or "all"."""
-    lr: float = 3e-4
-    """Peak learning rate (AdamW), after a linear warmup, then cosine to 10%."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW), after a linear warmup, then cosine to 10%. The default was chosen for the converted
+    mixers (docs/decisions.md, "End-to-end phase"); training every parameter (`all`) wants a lower one."""
     warmup: float = 0.05
     """Warmup length as a fraction of the steps."""
     weight_decay: float = 0.0
