@@ -136,7 +136,9 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
                                 f"{', '.join(_TOKENIZER_FILES)}); copy them from the original checkpoint")
     log.info("loading teacher %s (%s)", spec, config.model_type)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation,
+        # the config read above goes in, so a GGUF file's metadata is parsed once less (seconds per parse)
+        model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype,
+                                                           attn_implementation=attn_implementation,
                                                            output_loading_info=True, **kw)
         tokenizer = AutoTokenizer.from_pretrained(where, **kw)
     except Exception as e:  # a damaged file surfaces as whatever the reader of that format raises
