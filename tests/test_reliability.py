@@ -195,7 +195,7 @@ def test_distill_refuses_to_resume_another_run(w):
     o = w.copy(w.run_b, "run_b")
     before = tree(o)
     fails(w.distill(w.a, o), "another run", "student's initial weights")
-    fails(w.distill(w.b, o, "--train.lr", "1e-2"), "another run", r"train\.lr: 0\.0003 then, 0\.01 now")
+    fails(w.distill(w.b, o, "--train.lr", "1e-2"), "another run", r"train\.lr: 0\.001 then, 0\.01 now")
     assert tree(o) == before
 
 
