@@ -533,9 +533,11 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         return rec
 
     if start == 0:
-        evaluate(0)
+        start_kl = evaluate(0)["heldout_kl"]
         if on_step is not None:
             on_step(0, student)
+    else:
+        start_kl = next((r["heldout_kl"] for r in metrics.read() if r["step"] == 0 and "heldout_kl" in r), None)
     model.train()
     bar = tqdm(range(start + 1, steps + 1), desc=desc, disable=not ctx.main, unit="step", leave=False)
     clock = Clock(device)
@@ -583,7 +585,11 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
                                    "(checkpoints before this step are kept)")
         if step % eval_every == 0 or step == steps:
             with clock.paused():
-                evaluate(step)
+                kl = evaluate(step)["heldout_kl"]
+            if ctx.main and start_kl is not None and kl > start_kl:  # moving away from the teacher: lr too high
+                log.warning("%s: held-out KL to the teacher %.4f at step %d, above the %.4f the student started from: "
+                            "--train.lr %g may be too high for this model; lower it if this persists", desc, kl, step,
+                            start_kl, args.lr)
         if on_step is not None:
             with clock.paused():
                 on_step(step, student)

@@ -43,11 +43,12 @@ def _records(out):
     return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_distill_learns_and_reports(assets):
+def test_distill_learns_and_reports(assets, caplog):
     root, teacher_dir, corpus = assets
     out = root / "run"
-    with one_thread():
+    with one_thread(), caplog.at_level("WARNING", logger="taylor_calibrate"):
         assert main(_argv(root, corpus, out, 24, "--train.eval_every", "12")) == 0
+    assert not [r for r in caplog.records if "above the" in r.getMessage()]  # learning: no divergence warning
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 24 and report["tokens"] == 24 * 4 * 32 and report["teacher"] == str(teacher_dir)
     assert report["eval_tokens"] == [0, 12 * 128, 24 * 128]
@@ -67,6 +68,19 @@ def test_distill_learns_and_reports(assets):
             assert not torch.equal(v, after[k]), f"{k} did not train"
         elif not mixer:
             assert torch.equal(v, after[k]), f"frozen {k} changed"
+
+
+def test_a_student_moving_away_from_the_teacher_is_warned_of(assets, caplog):
+    """A held-out KL above the one the student started from (here a learning rate far too high) is logged with the
+    fix, at each evaluation where it happens; the run still finishes."""
+    root, _, corpus = assets
+    out = root / "too_high"
+    with one_thread(), caplog.at_level("WARNING", logger="taylor_calibrate"):
+        assert main(_argv(root, corpus, out, 4, "--train.lr", "0.3", "--train.eval_every", "2")) == 0
+    kl = json.loads((out / "report.json").read_text())["heldout_kl"]
+    warned = [r.getMessage() for r in caplog.records if "above the" in r.getMessage()]
+    assert len(warned) == sum(k > kl[0] for k in kl[1:]) > 0, (kl, warned)
+    assert all("--train.lr 0.3 may be too high" in w for w in warned)
 
 
 def test_hidden_state_and_cross_entropy_terms_add_to_the_loss(assets):
