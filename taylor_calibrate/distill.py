@@ -537,7 +537,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         if on_step is not None:
             on_step(0, student)
     else:
-        start_kl = next((r["heldout_kl"] for r in metrics.read() if r["step"] == 0 and "heldout_kl" in r), None)
+        start_kl = next((r["heldout_kl"] for r in (metrics.read() if ctx.main else []) if r["step"] == 0
+                         and "heldout_kl" in r), None)
     model.train()
     bar = tqdm(range(start + 1, steps + 1), desc=desc, disable=not ctx.main, unit="step", leave=False)
     clock = Clock(device)
