@@ -645,7 +645,14 @@ def run_distill(args: DistillArgs) -> dict:
     if tokenizer is None:
         raise FileNotFoundError(f"{args.student} has no tokenizer files; save one beside the model")
     check_context(args.data.seq_len, student.config, args.data.beyond_context, "student")
-    teacher = load_teacher(teacher_spec, device, dtype).model
+    loaded = load_teacher(teacher_spec, device, dtype)
+    sizes = loaded.model.config.get_text_config().vocab_size, student.config.get_text_config().vocab_size
+    if sizes[0] != sizes[1] or loaded.tokenizer.get_vocab() != tokenizer.get_vocab():  # the KL compares token ids
+        why = f"vocab_size {sizes[0]} vs {sizes[1]}" if sizes[0] != sizes[1] else "other tokens at the same ids"
+        origin = student.config.teacher_name or "see its report.json"
+        raise ValueError(f"teacher {teacher_spec!r} does not share the student's vocabulary ({why}); distil toward "
+                         f"the model the student was converted from ({origin})")
+    teacher = loaded.model
     out = Path(args.out)
     train_rows, heldout = distill_data(args.data, tokenizer, out / "tokens", args.train.tokens, main=ctx.main,
                                        barrier=dist.barrier if ctx.world > 1 else None)

@@ -3,6 +3,7 @@ and 2 processes under torchrun (gloo) follow the 1-process loss curve."""
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import one_thread, tiny_local_teacher
+from conftest import VOCAB, one_thread, tiny_config, tiny_local_teacher, tiny_tokenizer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -235,6 +236,24 @@ def test_not_a_hybrid_and_corrupt_checkpoint(assets, capsys, tmp_path):
     (out / "checkpoints" / "step_00000004" / "model.safetensors").write_bytes(b"\x00junk")
     assert main(_argv(root, corpus, out, 2, "--train.tokens", str(4 * 4 * 32))) == 2
     assert "corrupt" in capsys.readouterr().err
+
+
+def test_a_teacher_of_another_vocabulary_is_refused(assets, capsys, tmp_path):
+    """The KL compares the two models' logits token id by token id: a teacher with another vocabulary size, or with
+    the same size but other tokens, is refused up front with the fix, before any training."""
+    root, teacher_dir, corpus = assets
+    bigger, other = tmp_path / "bigger", tmp_path / "other"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB + 8)).save_pretrained(bigger)
+    AutoTokenizer.from_pretrained(teacher_dir).save_pretrained(bigger)
+    shutil.copytree(teacher_dir, other)
+    tiny_tokenizer(["zebra quokka axolotl " * 50]).save_pretrained(other)  # same model, another tokenizer
+    for teacher, why in ((bigger, f"vocab_size {VOCAB + 8} vs {VOCAB}"), (other, "(other tokens at the same ids)")):
+        argv = _argv(root, corpus, tmp_path / f"out_{teacher.name}", 2, "--teacher", str(teacher))
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "does not share the student's vocabulary" in err and why in err and "Traceback" not in err, err
+        assert not (tmp_path / f"out_{teacher.name}" / "model").exists()
 
 
 def test_compiled_layers_follow_the_eager_run(assets):
