@@ -11,7 +11,8 @@ writes the hybrid with its queries scaled by F, for `eval --niah`.
 `--match-entropy N` fits one factor per kept head instead, from the teacher's own attention: the factor at which the
 head's mean attention entropy on N calibration rows of --fit-len tokens (the last half of each row's queries), in the
 hybrid, equals the teacher's; `--save DIR` then writes the hybrid with those factors (architectures whose query
-projection is per head, without a shared query norm). A diagnostic: nothing in `convert` uses it.
+projection is per head, without a shared query norm). A diagnostic: nothing in `convert` uses it (neither scaling
+helped the H200 hybrid: docs/decisions.md, "Flatter kept attention").
 """
 from __future__ import annotations
 
