@@ -75,18 +75,22 @@ def run_convert(args: ConvertArgs) -> dict:
     t0 = time.perf_counter()
     check_out(args.out, "convert", overwrite=args.overwrite, inputs={"--teacher": args.teacher})
     device = resolve_device(args.device)
-    training_backend(resolve_backend(args.backend), args.backend, args.align)  # fail before the (long) load
+    t = time.perf_counter()
+    # fail before the (long) load; on a GPU this runs fla's backward once, compiling its kernels
+    training_backend(resolve_backend(args.backend), args.backend, args.align)
+    check_s = time.perf_counter() - t
     teacher = load_teacher(args.teacher, device, resolve_dtype(args.dtype, device))
-    return convert_loaded(args, teacher, t0)
+    return convert_loaded(args, teacher, t0, times={"backend_check_s": check_s})
 
 
 def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None, save: bool = True,
-                   return_model: bool = False):
+                   return_model: bool = False, times: dict | None = None):
     """The convert stage from a loaded teacher on (an in-memory one works too: benchmarks/perf_scale.py times
-    random-weight teachers this way). `t0`: when the command started (load_teacher_s = time until now); `save=False`
-    skips writing the model and report.json; `return_model` returns (report, hybrid) instead of the report."""
+    random-weight teachers this way). `t0`: when the command started (load_teacher_s = time until now, less the
+    stages the caller already timed in `times`); `save=False` skips writing the model and report.json;
+    `return_model` returns (report, hybrid) instead of the report."""
     t0 = time.perf_counter() if t0 is None else t0
-    times = {}
+    times = dict(times or {})
     device = resolve_device(args.device)
     on = next(teacher.model.parameters()).device
     if on.type != device.type:
@@ -95,7 +99,9 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     backend = resolve_backend(args.backend)
     profile = apply_profile(args, device.type)
     check_context(args.data.seq_len, teacher.model.config, args.data.beyond_context, "teacher")
-    train_backend = training_backend(backend, args.backend, args.align)
+    t = time.perf_counter()
+    train_backend = training_backend(backend, args.backend, args.align)  # cached: run_convert timed the first call
+    times.setdefault("backend_check_s", time.perf_counter() - t)
     adapt = False  # --target qwen3_5 from a teacher without q/k norm: kept attention layers change form
     if args.target == "qwen3_5":
         check_qwen3_form(teacher.model.config)
@@ -107,7 +113,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     auto = resolve_policy(args)
     if args.policy not in SCORED + RETRIEVAL:  # fails early on a bad layer list
         kept_layers(args.policy, n, args.keep_every, kv_budget=args.kv_budget)
-    times["load_teacher_s"] = time.perf_counter() - t0
+    times["load_teacher_s"] = time.perf_counter() - t0 - sum(times.values())
 
     t = time.perf_counter()
     d = args.data

@@ -44,6 +44,9 @@ def test_convert_report(converted):
     assert report["phase2_kept_attention"] is None  # off by default (docs/decisions.md); test_align tests it
     assert 1 < report["teacher_ppl"] < 100, "the real teacher should model Python source well"
     assert report["teacher_ppl"] < report["hybrid_ppl"] < float("inf")
+    stages = report["stage_s"]  # the backend check is timed on its own, not inside the teacher's load
+    assert {"backend_check_s", "load_teacher_s", "phase2_s"} <= set(stages) and min(stages.values()) >= 0
+    assert sum(stages.values()) <= report["wall_s"]
 
 
 @needs_teacher
