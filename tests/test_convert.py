@@ -136,7 +136,7 @@ def test_store_device_falls_back_to_host_memory_when_the_gpu_is_short(monkeypatc
     assert store_device_for(model, 2, 16, [0, 1], cuda) == cpu
 
 
-def test_greedy_conversion_end_to_end(tmp_path):
+def test_greedy_conversion_end_to_end(tmp_path, capsys):
     """--policy greedy stores every layer's rows to score them, then aligns only the layers it converts."""
     from conftest import one_thread, tiny_local_teacher
     teacher_dir, corpus = tiny_local_teacher(tmp_path)
@@ -150,6 +150,8 @@ def test_greedy_conversion_end_to_end(tmp_path):
     assert len(report["policy_scores"]) == n and len(report["kept_layers"]) == n // 2
     assert sorted(report["kept_layers"] + report["gdn_layers"]) == list(range(n))
     assert sorted(int(k) for k in report["phase2"]["layers"]) == report["gdn_layers"]
+    max_pos = json.loads((teacher_dir / "config.json").read_text())["max_position_embeddings"]
+    assert f"next: taylor-calibrate distill --student {out} --data.seq_len {min(4096, max_pos)}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("max_pos, target, want", [(1024, "hybrid", "heads"), (1024, "qwen3_5", "retrieval"),
