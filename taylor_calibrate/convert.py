@@ -298,7 +298,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     for i, step in sorted(diverged.items()):
         print(f"  note: phase 2 diverged in layer {i} at step {step}; the layer was put back to its best state")
     if save:  # conversion alone keeps near needles; the end-to-end phase brings back the far ones (README, Results)
-        rows = min(4096, teacher.model.config.max_position_embeddings)
-        print(f"  next: taylor-calibrate distill --student {args.out} --data.seq_len {rows} "
+        seq = min(4096, teacher.model.config.max_position_embeddings)
+        print(f"  next: taylor-calibrate distill --student {args.out} --data.seq_len {seq} "
               "(the end-to-end phase: long-range retrieval)")
     return (report, hybrid) if return_model else report
