@@ -298,7 +298,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     for i, step in sorted(diverged.items()):
         print(f"  note: phase 2 diverged in layer {i} at step {step}; the layer was put back to its best state")
     if save:  # conversion alone keeps near needles; the end-to-end phase brings back the far ones (README, Results)
-        seq = min(4096, teacher.model.config.max_position_embeddings)
+        seq = min(4096, getattr(teacher.model.config, "max_position_embeddings", None) or 4096)  # as check_context
         print(f"  next, on a GPU (the end-to-end phase; it brings back long-range retrieval): taylor-calibrate distill "
               f"--student {args.out} --data.seq_len {seq} --train.tokens 20000000 --data.source YOUR_TEXT")
     return (report, hybrid) if return_model else report
