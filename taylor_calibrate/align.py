@@ -145,9 +145,10 @@ def _check_data(mixers, inputs, targets) -> int:
 
 
 def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], targets: dict[int, Tensor],
-                 args: AlignArgs, *, eval_rows: int | None = None, weights: dict[int, Tensor] | None = None) -> dict:
+                 args: AlignArgs, *, eval_rows: int | None = None, weights: dict[int, Tensor] | None = None,
+                 show: bool = True) -> dict:
     """Train every mixer (in place) to reproduce its layer's teacher attention output; `weights`: optional (N, T)
-    loss weights of each layer's positions (stats.far_weights). Returns the report
+    loss weights of each layer's positions (stats.far_weights); `show` prints the table. Returns the report
 
         {"layers": {l: {"rel_mse_before", "rel_mse_after", "best_step", "diverged_at", "best_eval_rel_mse",
                         "best_train_loss", "best_train_step", "trained_params"}},
@@ -228,7 +229,8 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
         "tokens_per_step": batch * seq,
         "eval_rows": n_eval,
     }
-    _print_table(report)
+    if show:
+        _print_table(report)
     return report
 
 
@@ -648,6 +650,34 @@ def mixer_inputs(model, rows: Tensor, layers, batch_size: int) -> dict[int, Tens
         for i in range(0, rows.shape[0], batch_size):
             model(input_ids=rows[i:i + batch_size].to(device), use_cache=False, logits_to_keep=1)
     return {i: torch.cat(c) for i, c in caught.items()}
+
+
+def align_on_hybrid(hybrid, rows: Tensor, inputs: dict[int, Tensor], targets: dict[int, Tensor], args: AlignArgs,
+                    weights: dict[int, Tensor] | None = None, batch_size: int = 4, backend: str | None = None) -> dict:
+    """`--phase2.hybrid_inputs`: align the hybrid's GDN mixers (in place) one layer at a time in depth order, each on
+    what the hybrid feeds it when it reads `rows` (N, T), every earlier layer already aligned, toward the teacher's
+    `targets` for those rows. `inputs[l]`, the teacher's inputs, is replaced by the hybrid's (same shape, dtype and
+    device). `backend`: the GDN backend to run with meanwhile. Returns align_layers' report over all layers."""
+    mixers = hybrid.gdn_mixers
+    saved = {i: m.backend for i, m in mixers.items()}
+    reports = []
+    try:
+        for m in mixers.values():
+            m.backend = backend or m.backend
+        for i in sorted(mixers):
+            inputs[i] = mixer_inputs(hybrid, rows, [i], batch_size)[i].to(inputs[i].device, inputs[i].dtype)
+            reports.append(align_layers({i: mixers[i]}, {i: inputs[i]}, {i: targets[i]}, args,
+                                        weights=None if weights is None else {i: weights[i]}, show=False))
+    finally:
+        for i, m in mixers.items():
+            m.backend = saved[i]
+    layers = {i: r for rep in reports for i, r in rep["layers"].items()}
+    report = {**reports[-1], "layers": layers, "hybrid_inputs": True,
+              "mean_rel_mse_before": sum(r["rel_mse_before"] for r in layers.values()) / len(layers),
+              "mean_rel_mse_after": sum(r["rel_mse_after"] for r in layers.values()) / len(layers),
+              "wall_s": sum(r["wall_s"] for r in reports), "train_s": sum(r["train_s"] for r in reports)}
+    _print_table(report)
+    return report
 
 
 def realign_kept(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size: int = 4) -> dict:

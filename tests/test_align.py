@@ -437,3 +437,28 @@ def test_roped_attention_is_the_layers_own_attention(arch):
         for i in layers:
             got = roped(teacher, i, teacher.model.layers[i].self_attn)(inputs[i])[0]
             torch.testing.assert_close(got, outs[i], rtol=1e-4, atol=1e-5)
+
+
+def test_align_on_hybrid_feeds_each_layer_what_the_aligned_hybrid_gives_it(teacher_data):
+    """--phase2.hybrid_inputs: layer 1 (after the kept layer 0) reads the teacher's own inputs, so it trains as plain
+    alignment trains it; layer 2 reads what the hybrid gives it with layer 1 already aligned."""
+    from taylor_calibrate.align import align_on_hybrid, mixer_inputs
+
+    teacher, inputs, targets = teacher_data
+    ids = torch.randint(0, teacher.config.vocab_size, (N, T), generator=torch.Generator().manual_seed(0))
+    args = AlignArgs(**SHORT)
+    plain = fresh_mixers(teacher)
+    align_layers(plain, dict(inputs), targets, args)
+    hybrid = convert_teacher(teacher, list(LAYERS), GDNConfig())
+    fed = dict(inputs)
+    report = align_on_hybrid(hybrid, ids, fed, targets, args, batch_size=2)
+    assert sorted(report["layers"]) == list(LAYERS) and report["hybrid_inputs"]
+    for l, r in report["layers"].items():
+        assert r["rel_mse_after"] <= r["rel_mse_before"], l
+    assert torch.allclose(fed[1], inputs[1], atol=1e-5)
+    for k, v in plain[1].state_dict().items():
+        assert torch.allclose(hybrid.gdn_mixers[1].state_dict()[k], v, atol=1e-5), k
+    assert not torch.allclose(fed[2], inputs[2], atol=1e-3)  # layer 1's GDN moved layer 2's inputs
+    assert torch.allclose(fed[2], mixer_inputs(hybrid, ids, [2], 2)[2], atol=1e-6)  # ... as aligned, not as it was
+    assert any(not torch.allclose(hybrid.gdn_mixers[1].state_dict()[k], v)
+               for k, v in fresh_mixers(teacher)[1].state_dict().items())
