@@ -639,16 +639,32 @@ def kept_attention(hybrid) -> dict[int, nn.Module]:
             if i not in gdn or hybrid.config.kept_groups(i)}
 
 
+class _Caught(Exception):
+    """Stops a forward once the deepest wanted mixer input is caught: the layers after it need not run."""
+
+
 @torch.no_grad()
 def mixer_inputs(model, rows: Tensor, layers, batch_size: int) -> dict[int, Tensor]:
-    """What each of `layers`' token mixers receives when `model` reads `rows` (N, T), on the rows' device."""
+    """What each of `layers`' token mixers receives when `model` reads `rows` (N, T), on the rows' device; each
+    forward stops at the deepest of them."""
     from taylor_calibrate.stats import capturing_inputs
 
     caught = {i: [] for i in layers}
     device = next(model.parameters()).device
-    with capturing_inputs(model, caught, rows.device):
-        for i in range(0, rows.shape[0], batch_size):
-            model(input_ids=rows[i:i + batch_size].to(device), use_cache=False, logits_to_keep=1)
+
+    def stop(*_):
+        raise _Caught
+
+    with capturing_inputs(model, caught, rows.device):  # its hooks run before `stop`, registered after them
+        hook = model.model.layers[max(layers)].self_attn.register_forward_pre_hook(stop)
+        try:
+            for i in range(0, rows.shape[0], batch_size):
+                try:
+                    model(input_ids=rows[i:i + batch_size].to(device), use_cache=False, logits_to_keep=1)
+                except _Caught:
+                    pass
+        finally:
+            hook.remove()
     return {i: torch.cat(c) for i, c in caught.items()}
 
 

@@ -462,3 +462,22 @@ def test_align_on_hybrid_feeds_each_layer_what_the_aligned_hybrid_gives_it(teach
     assert torch.allclose(fed[2], mixer_inputs(hybrid, ids, [2], 2)[2], atol=1e-6)  # ... as aligned, not as it was
     assert any(not torch.allclose(hybrid.gdn_mixers[1].state_dict()[k], v)
                for k, v in fresh_mixers(teacher)[1].state_dict().items())
+
+
+def test_mixer_inputs_stop_at_the_deepest_wanted_layer(teacher_data):
+    """mixer_inputs gives what a full forward feeds each wanted mixer, and runs no layer after the deepest."""
+    from taylor_calibrate.align import mixer_inputs
+
+    teacher, inputs, _ = teacher_data
+    ids = torch.randint(0, teacher.config.vocab_size, (N, T), generator=torch.Generator().manual_seed(0))
+    after = []
+    hook = teacher.model.layers[3].register_forward_pre_hook(lambda *_: after.append(1))
+    try:
+        got = mixer_inputs(teacher, ids, list(LAYERS), 4)
+        assert not after
+        teacher(input_ids=ids[:1], use_cache=False)  # the model runs whole again: no stop left behind
+        assert after == [1]
+    finally:
+        hook.remove()
+    for i in LAYERS:
+        assert torch.allclose(got[i], inputs[i], atol=1e-6), i
