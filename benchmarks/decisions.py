@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 
 from taylor_calibrate.ablate import TeacherPass
-from taylor_calibrate.align import rel_mse
+from taylor_calibrate.align import mixer_inputs, rel_mse
 from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align, load_profile
 from taylor_calibrate.data import CorpusSpec, load_splits
 from taylor_calibrate.evaluate import perplexity
@@ -25,7 +25,6 @@ from taylor_calibrate.results import record
 from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.policy import gdn_layers, kept_layers
-from taylor_calibrate.stats import capturing_inputs
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 # (name, init method, CalibArgs overrides, GDNConfig overrides, AlignArgs overrides)
@@ -189,10 +188,8 @@ def load(teacher: str, device: str):
 def hybrid_inputs(model, mixers: dict, tokens, batch_size: int, device) -> dict:
     """The input each converted layer's mixer gets in the hybrid (mixers swapped in) on `tokens`, stored like the
     teacher's (stats.inputs)."""
-    with swapped_into(model, mixers), capturing_inputs(model, {i: [] for i in mixers}, device) as got:
-        for b in range(0, tokens.shape[0], batch_size):
-            model(input_ids=tokens[b:b + batch_size].to(device), use_cache=False, logits_to_keep=1)
-    return {i: torch.cat(x) for i, x in got.items()}
+    with swapped_into(model, mixers):
+        return mixer_inputs(model, tokens.to(device), list(mixers), batch_size)
 
 
 def command_line(script: str, a: argparse.Namespace) -> str:

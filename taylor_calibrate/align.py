@@ -145,10 +145,9 @@ def _check_data(mixers, inputs, targets) -> int:
 
 
 def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], targets: dict[int, Tensor],
-                 args: AlignArgs, *, eval_rows: int | None = None, weights: dict[int, Tensor] | None = None,
-                 show: bool = True) -> dict:
+                 args: AlignArgs, *, eval_rows: int | None = None, weights: dict[int, Tensor] | None = None) -> dict:
     """Train every mixer (in place) to reproduce its layer's teacher attention output; `weights`: optional (N, T)
-    loss weights of each layer's positions (stats.far_weights); `show` prints the table. Returns the report
+    loss weights of each layer's positions (stats.far_weights). Returns the report
 
         {"layers": {l: {"rel_mse_before", "rel_mse_after", "best_step", "diverged_at", "best_eval_rel_mse",
                         "best_train_loss", "best_train_step", "trained_params"}},
@@ -229,8 +228,7 @@ def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], ta
         "tokens_per_step": batch * seq,
         "eval_rows": n_eval,
     }
-    if show:
-        _print_table(report)
+    _print_table(report)
     return report
 
 
@@ -666,90 +664,6 @@ def mixer_inputs(model, rows: Tensor, layers, batch_size: int) -> dict[int, Tens
         finally:
             hook.remove()
     return {i: torch.cat(c) for i, c in caught.items()}
-
-
-def _passthrough(hidden_states, *args, **kwargs):
-    return hidden_states
-
-
-class _Stream:
-    """The inputs a model's token mixers receive over `rows`, read one layer after another in depth order without
-    running the layers before again: the residual stream entering the last layer read is kept (per batch of rows,
-    on the rows' device) and the next read starts there, the layers before it passing their input through. A layer
-    changed after it was read is seen by the next read; one before it is not."""
-
-    def __init__(self, model, rows: Tensor, batch_size: int):
-        self.model, self.rows, self.batch_size = model, rows, batch_size
-        self.start, self.kept = 0, None
-
-    @torch.no_grad()
-    def inputs(self, layer: int) -> Tensor:
-        if layer < self.start:
-            raise ValueError(f"layer {layer} comes before the last layer read ({self.start})")
-        layers, device = self.model.model.layers, next(self.model.parameters()).device
-        b, resid, caught = 0, [], []
-
-        def enter(mod, args, kwargs):  # the kept stream in place of what the skipped layers would give
-            h = self.kept[b].to(device)
-            if "hidden_states" in kwargs:
-                return args, {**kwargs, "hidden_states": h}
-            return (h, *args[1:]), kwargs
-
-        def read_stream(mod, args, kwargs):
-            resid.append(kwargs.get("hidden_states", args[0] if args else None).to(self.rows.device))
-
-        def read_mixer(mod, args, kwargs):
-            caught.append(kwargs.get("hidden_states", args[0] if args else None).to(self.rows.device))
-            raise _Caught
-
-        hooks = [layers[self.start].register_forward_pre_hook(enter, with_kwargs=True)] if self.start else []
-        hooks += [layers[layer].register_forward_pre_hook(read_stream, with_kwargs=True),
-                  layers[layer].self_attn.register_forward_pre_hook(read_mixer, with_kwargs=True)]
-        for k in range(self.start):
-            layers[k].forward = _passthrough
-        try:
-            for b, i in enumerate(range(0, self.rows.shape[0], self.batch_size)):
-                try:
-                    self.model(input_ids=self.rows[i:i + self.batch_size].to(device), use_cache=False,
-                               logits_to_keep=1)
-                except _Caught:
-                    pass
-        finally:
-            for h in hooks:
-                h.remove()
-            for k in range(self.start):
-                del layers[k].forward
-        self.start, self.kept = layer, resid
-        return torch.cat(caught)
-
-
-def align_on_hybrid(hybrid, rows: Tensor, inputs: dict[int, Tensor], targets: dict[int, Tensor], args: AlignArgs,
-                    weights: dict[int, Tensor] | None = None, batch_size: int = 4, backend: str | None = None) -> dict:
-    """`--phase2.hybrid_inputs`: align the hybrid's GDN mixers (in place) one layer at a time in depth order, each on
-    what the hybrid feeds it when it reads `rows` (N, T), every earlier layer already aligned, toward the teacher's
-    `targets` for those rows. `inputs[l]`, the teacher's inputs, is replaced by the hybrid's (same shape, dtype and
-    device). `backend`: the GDN backend to run with meanwhile. Returns align_layers' report over all layers."""
-    mixers = hybrid.gdn_mixers
-    saved = {i: m.backend for i, m in mixers.items()}
-    stream = _Stream(hybrid, rows, batch_size)
-    reports = []
-    try:
-        for m in mixers.values():
-            m.backend = backend or m.backend
-        for i in sorted(mixers):
-            inputs[i] = stream.inputs(i).to(inputs[i].device, inputs[i].dtype)
-            reports.append(align_layers({i: mixers[i]}, {i: inputs[i]}, {i: targets[i]}, args,
-                                        weights=None if weights is None else {i: weights[i]}, show=False))
-    finally:
-        for i, m in mixers.items():
-            m.backend = saved[i]
-    layers = {i: r for rep in reports for i, r in rep["layers"].items()}
-    report = {**reports[-1], "layers": layers, "hybrid_inputs": True,
-              "mean_rel_mse_before": sum(r["rel_mse_before"] for r in layers.values()) / len(layers),
-              "mean_rel_mse_after": sum(r["rel_mse_after"] for r in layers.values()) / len(layers),
-              "wall_s": sum(r["wall_s"] for r in reports), "train_s": sum(r["train_s"] for r in reports)}
-    _print_table(report)
-    return report
 
 
 def realign_kept(hybrid, teacher, rows: Tensor, args: AlignArgs, batch_size: int = 4) -> dict:

@@ -227,11 +227,6 @@ class AlignArgs:
     inputs the hybrid gives it: trained so that from the hybrid's inputs it reproduces what it computed from the
     teacher's. Off by default: it lowers perplexity but costs retrieval at long context (docs/decisions.md, "kept
     attention on hybrid inputs")."""
-    hybrid_inputs: bool = False
-    """Align the GDN layers one at a time in depth order, each on the inputs the hybrid gives it (every earlier layer
-    already converted and aligned) instead of the teacher's, toward the same teacher outputs: a layer then learns to
-    absorb the errors of the layers before it rather than meeting them only in use. Slower (one layer per stack, one
-    hybrid forward over the calibration rows per layer) and holds a second copy of the model."""
     seed: int = 0
     """Seed of the row order."""
     log_every: int = 50

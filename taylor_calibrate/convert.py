@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from taylor_calibrate.align import align_attention, align_layers, align_on_hybrid, realign_kept, roped
+from taylor_calibrate.align import align_attention, align_layers, realign_kept, roped
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.config import ConvertArgs, apply_profile
@@ -189,13 +189,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         targets = attention_targets(teacher.model, stats, converted, release=True, kept_groups=headwise)
         weights = far_weights(teacher.model, stats, converted, args.phase2.far_weight, headwise) \
             if args.phase2.far_weight else None
-        if args.phase2.hybrid_inputs:  # a scratch hybrid of the phase-1 mixers, aligned layer by layer in place
-            scratch = convert_teacher(teacher.model, converted, args.gdn, mixers=mixers, kept_groups=headwise)
-            p2 = align_on_hybrid(scratch, splits.calib, stats.inputs, targets, args.phase2, weights,
-                                 args.eval_batch_size, train_backend)
-            mixers = scratch.gdn_mixers
-        else:
-            p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets, args.phase2, weights=weights)
+        p2 = align_layers(mixers, {i: stats.inputs[i] for i in converted}, targets, args.phase2, weights=weights)
     times["phase2_s"] = time.perf_counter() - t
 
     t = time.perf_counter()

@@ -439,30 +439,6 @@ def test_roped_attention_is_the_layers_own_attention(arch):
             torch.testing.assert_close(got, outs[i], rtol=1e-4, atol=1e-5)
 
 
-def test_align_on_hybrid_feeds_each_layer_what_the_aligned_hybrid_gives_it(teacher_data):
-    """--phase2.hybrid_inputs: layer 1 (after the kept layer 0) reads the teacher's own inputs, so it trains as plain
-    alignment trains it; layer 2 reads what the hybrid gives it with layer 1 already aligned."""
-    from taylor_calibrate.align import align_on_hybrid, mixer_inputs
-
-    teacher, inputs, targets = teacher_data
-    ids = torch.randint(0, teacher.config.vocab_size, (N, T), generator=torch.Generator().manual_seed(0))
-    args = AlignArgs(**SHORT)
-    plain = fresh_mixers(teacher)
-    align_layers(plain, dict(inputs), targets, args)
-    hybrid = convert_teacher(teacher, list(LAYERS), GDNConfig())
-    fed = dict(inputs)
-    report = align_on_hybrid(hybrid, ids, fed, targets, args, batch_size=2)
-    assert sorted(report["layers"]) == list(LAYERS) and report["hybrid_inputs"]
-    for l, r in report["layers"].items():
-        assert r["rel_mse_after"] <= r["rel_mse_before"], l
-    assert torch.allclose(fed[1], inputs[1], atol=1e-5)
-    for k, v in plain[1].state_dict().items():
-        assert torch.allclose(hybrid.gdn_mixers[1].state_dict()[k], v, atol=1e-5), k
-    assert not torch.allclose(fed[2], inputs[2], atol=1e-3)  # layer 1's GDN moved layer 2's inputs
-    assert torch.allclose(fed[2], mixer_inputs(hybrid, ids, [2], 2)[2], atol=1e-6)  # ... as aligned, not as it was
-    assert any(not torch.allclose(hybrid.gdn_mixers[1].state_dict()[k], v)
-               for k, v in fresh_mixers(teacher)[1].state_dict().items())
-
 
 def test_mixer_inputs_stop_at_the_deepest_wanted_layer(teacher_data):
     """mixer_inputs gives what a full forward feeds each wanted mixer, and runs no layer after the deepest."""
@@ -481,36 +457,3 @@ def test_mixer_inputs_stop_at_the_deepest_wanted_layer(teacher_data):
         hook.remove()
     for i in LAYERS:
         assert torch.allclose(got[i], inputs[i], atol=1e-6), i
-
-
-def test_stream_reads_each_layer_as_a_full_forward_would(arch):
-    """align._Stream (the hybrid-inputs alignment's reader) gives, layer after layer, what a full forward of the model
-    as it is then feeds that mixer (a change to the layer read last is seen), without running the layers before the
-    last one read again; on every architecture."""
-    from taylor_calibrate.align import _Stream, mixer_inputs
-
-    teacher = tiny_teacher(arch)
-    hybrid = convert_teacher(teacher, [0, 1, 3], GDNConfig(), kept_groups={1: [0]})
-    mixers = hybrid.gdn_mixers
-    rows = torch.randint(0, teacher.config.vocab_size, (N, T), generator=torch.Generator().manual_seed(0))
-    stream = _Stream(hybrid, rows, 4)
-    assert torch.allclose(stream.inputs(0), mixer_inputs(hybrid, rows, [0], 4)[0], atol=1e-6)
-    before = mixer_inputs(hybrid, rows, [1], 4)[1]
-    with torch.no_grad():
-        mixers[0].o_proj.weight.mul_(2.0)  # as alignment changes the layer just read
-    x1 = stream.inputs(1)
-    assert torch.allclose(x1, mixer_inputs(hybrid, rows, [1], 4)[1], atol=1e-5)
-    assert not torch.allclose(x1, before, atol=1e-4)
-    with torch.no_grad():
-        mixers[1].o_proj.weight.mul_(2.0)
-    calls = []
-    hook = hybrid.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
-    try:
-        x3 = stream.inputs(3)
-    finally:
-        hook.remove()
-    assert calls == []  # layer 0, before the last layer read, does not run again
-    assert torch.allclose(x3, mixer_inputs(hybrid, rows, [3], 4)[3], atol=1e-5)
-    with pytest.raises(ValueError, match="comes before"):
-        stream.inputs(2)
-    hybrid(input_ids=rows[:1], use_cache=False)  # no skip or hook left behind: the whole model runs
