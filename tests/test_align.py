@@ -439,7 +439,6 @@ def test_roped_attention_is_the_layers_own_attention(arch):
             torch.testing.assert_close(got, outs[i], rtol=1e-4, atol=1e-5)
 
 
-
 def test_mixer_inputs_stop_at_the_deepest_wanted_layer(teacher_data):
     """mixer_inputs gives what a full forward feeds each wanted mixer, and runs no layer after the deepest."""
     from taylor_calibrate.align import mixer_inputs
