@@ -80,8 +80,8 @@ def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str
 
 def label(r: dict) -> str:
     """A row's name: its policy, its seed when not 0, the phase-2 options it departs from the defaults with (kept
-    attention re-aligned, far_weight), and for an end-to-end row its training flags (the `--train.*` part of its
-    distill flags)."""
+    attention re-aligned, far_weight), and for an end-to-end row its row length and training flags (the `--train.*`
+    part of its distill flags): rows that differ in either are told apart, in the table and in the plot's curves."""
     name = r["policy"] + (f" (seed {r['seed']})" if r.get("seed") else "")
     name += " + kept attention re-aligned" if r.get("phase2_kept_attention") else ""
     far = r.get("phase2_far_weight", 0.0)  # rows from before the option had none: 0
@@ -92,7 +92,8 @@ def label(r: dict) -> str:
     train = " ".join(t if "=" in t or i + 1 == len(toks) or toks[i + 1].startswith("--") else f"{t} {toks[i + 1]}"
                      for i, t in enumerate(toks)
                      if t.startswith("--train.") and t.partition("=")[0] not in _SAME_RESULT)
-    return f"{name} + end-to-end ({train or 'defaults'})"
+    rows = f"{r['distill_seq_len']}-token rows" if r.get("distill_seq_len") else ""  # older results lack it
+    return f"{name} + end-to-end ({', '.join(x for x in (rows, train) if x) or 'defaults'})"
 
 
 _SAME_RESULT = {f"--train.{f}" for f in ("micro_batch_size", "save_every", "log_every", "eval_every", "compile")}

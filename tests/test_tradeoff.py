@@ -57,8 +57,9 @@ def test_end_to_end_phase_adds_a_distilled_row(tmp_path):
     assert plain["distill_args"]["train"]["repeat_spans"] == 0 and plain["ppl"] != e2e["ppl"]  # each from zero-shot
     assert e2e["niah"]["passkey"]["512"] is not None
     md = (out / "tradeoff.md").read_text()
-    assert "| heads + end-to-end (--train.batch_size 4 --train.lr 1e-3 --train.repeat_spans 0.5) | head |" in md  # named by its --train flags
-    assert "| heads + end-to-end (--train.batch_size 4 --train.lr 1e-3) | head |" in md
+    # named by its row length and --train flags
+    assert "| heads + end-to-end (128-token rows, --train.batch_size 4 --train.lr 1e-3 --train.repeat_spans 0.5) |" in md
+    assert "| heads + end-to-end (128-token rows, --train.batch_size 4 --train.lr 1e-3) | head |" in md
     assert not zero["phase2_kept_attention"] and zero["phase2_far_weight"] == AlignArgs.far_weight  # the default
 
 
@@ -70,6 +71,8 @@ def test_row_label_names_what_changes_the_result():
            "distill_flags": "--data.seq_len 4096 --train.micro_batch_size 8 --train.far_weight 16 --train.compile=false"}
     assert label(row) == "heads (seed 1) + end-to-end (--train.far_weight 16)"
     assert label({**row, "distill_flags": "--train.micro_batch_size=8"}).endswith("end-to-end (defaults)")
+    assert label({**row, "distill_seq_len": 8192}) == "heads (seed 1) + end-to-end (8192-token rows, --train.far_weight 16)"
+    assert label({**row, "distill_seq_len": 4096, "distill_flags": ""}).endswith("end-to-end (4096-token rows)")
     assert label({**row, "distill_tokens": 0, "seed": 0, "phase2_far_weight": 4.0}) == "heads + far_weight 4"
     old = {k: v for k, v in row.items() if k != "phase2_far_weight"}  # recorded before the option: it was off
     assert label({**old, "distill_tokens": 0}) == "heads (seed 1) + far_weight 0"
