@@ -1,31 +1,19 @@
 """benchmarks/decisions.py's own code: the hybrid-input capture of the "student inputs" variants and the --only
 check (the variants' results are benchmark output, not tests)."""
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from taylor_calibrate import GDNConfig, convert_teacher
 from taylor_calibrate.stats import collect_stats
-from conftest import tiny_teacher
+from conftest import load_benchmark, tiny_teacher
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decisions.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("decisions_benchmark", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def test_hybrid_inputs_are_the_teachers_up_to_the_first_converted_layer_and_drift_after():
-    decisions = _load()
+    decisions = load_benchmark("decisions")
     teacher = tiny_teacher("llama")
     ids = torch.randint(0, teacher.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
     layers = [1, 2]
@@ -39,7 +27,7 @@ def test_hybrid_inputs_are_the_teachers_up_to_the_first_converted_layer_and_drif
 
 
 def test_unknown_variant_names_fail_with_the_names(monkeypatch, capsys):
-    decisions = _load()
+    decisions = load_benchmark("decisions")
     monkeypatch.setattr(sys, "argv", ["decisions.py", "--only", "taylor (default);no such variant"])
     with pytest.raises(SystemExit):
         decisions.main()

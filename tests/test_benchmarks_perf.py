@@ -1,29 +1,19 @@
 """benchmarks/perf_*.py end to end on tiny shapes (CPU): every benchmark runs, its JSON has the keys its claims rest
 on, every measured number is finite, and the markdown rendering is written beside it."""
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+from conftest import load_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _run(name: str, tmp_path, *extra) -> dict:
-    sys.path.insert(0, str(BENCHMARKS))  # the scripts import perf_common from beside them
-    try:
-        spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses resolve their annotations through sys.modules
-        spec.loader.exec_module(mod)
-        out = tmp_path / f"{name}.json"
-        mod.main(["--tiny", "--device", "cpu", "--out", str(out), *extra])
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    mod = load_benchmark(name)
+    out = tmp_path / f"{name}.json"
+    mod.main(["--tiny", "--device", "cpu", "--out", str(out), *extra])
     res = json.loads(out.read_text())
     assert out.with_suffix(".md").read_text().startswith("# taylor-calibrate performance")
     for key in ("command", "env", "wall_s"):

@@ -1,18 +1,6 @@
 """benchmarks/retrieval_by_length.py: the goal check it prints from a results file (means over runs against 0.9x the
 teacher, multikey 8K over the prompt seeds) and the figure it draws."""
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "retrieval_by_length.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("retrieval_by_length_benchmark", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_benchmark
 
 
 def _grid(single, multikey):
@@ -36,7 +24,7 @@ def _result(teacher_right, phase_right):
 
 
 def test_means_over_runs_against_the_goal():
-    rbl = _load()
+    rbl = load_benchmark("retrieval_by_length")
     s = rbl.summary(_result(teacher_right=38, phase_right=35))
     single, multikey = s["cells"]["single"]["1024"], s["cells"]["multikey"]["1024"]
     assert abs(single["zero_shot"] - 0.3) < 1e-9 and abs(single["phase"] - 0.9) < 1e-9
@@ -50,7 +38,7 @@ def test_means_over_runs_against_the_goal():
 
 
 def test_the_committed_results_give_the_table_and_figure(tmp_path, capsys):
-    rbl = _load()
+    rbl = load_benchmark("retrieval_by_length")
     s = rbl.main(["--out", str(tmp_path / "f.png")])
     assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(s["cells"]) == {"single", "multikey", "passkey"}
