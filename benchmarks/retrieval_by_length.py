@@ -55,7 +55,7 @@ def summary(result: dict) -> dict:
 
 
 def markdown(s: dict) -> str:
-    lines = ["| task | length | teacher | goal (0.9x) | zero-shot mean | after the phase, mean | met |",
+    lines = [f"| task | length | teacher | goal ({RATIO}x) | zero-shot mean | after the phase, mean | met |",
              "|---|---|---|---|---|---|---|"]
     for t, by_len in s["cells"].items():
         for n, c in by_len.items():
@@ -79,9 +79,10 @@ def plot(s: dict, path: Path) -> None:
     for ax, t in zip(axes, tasks):
         lengths = list(s["cells"][t])
         x = [int(n) for n in lengths]
-        for key, style, label in (("teacher", "k-o", "teacher"), ("goal", "k:", "0.9x teacher"),
+        phase = f"+ {s['phase_tokens'] / 1e6:.0f}M-token phase (mean of {s['phase_runs']})"
+        for key, style, label in (("teacher", "k-o", "teacher"), ("goal", "k:", f"{RATIO}x teacher"),
                                   ("zero_shot", "C0-o", f"zero-shot (mean of {s['zero_shot_runs']})"),
-                                  ("phase", "C1-s", f"+ {s['phase_tokens'] / 1e6:.0f}M-token phase (mean of {s['phase_runs']})")):
+                                  ("phase", "C1-s", phase)):
             ax.plot(x, [s["cells"][t][n][key] for n in lengths], style, label=label)
         if t == "multikey":
             m = s["multikey_8192_seeds_0_4"]
