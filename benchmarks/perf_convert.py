@@ -29,6 +29,7 @@ def part_convert(a, device, dtype, res, save):
     if a.tiny:
         args.data = DataArgs(seq_len=64, calib_seqs=4, eval_seqs=4)
         args.phase2 = AlignArgs(steps=4, batch_size=2, log_every=2)
+        args.probe_samples = 2  # the heads policy's probe pass (and the reported retrieval) dominate a tiny run
     report = convert_loaded(args, teacher, t0, save=False)
     row = {k: report[k] for k in ("wall_s", "stage_s", "profile", "backend", "dtype", "calib_tokens", "eval_tokens",
                                   "teacher_ppl", "hybrid_ppl")}

@@ -53,7 +53,10 @@ def test_directory_without_config(tmp_path):
 
 
 def test_unreachable_hub_id(monkeypatch):
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: the env alone is late
     with pytest.raises(OSError, match="hub is not reachable"):
         load_teacher("some-org/some-model-that-is-not-cached")
 
