@@ -45,10 +45,10 @@ def summary(result: dict) -> dict:
     cells = {t: {n: {"teacher": teacher[t][n], "goal": RATIO * teacher[t][n], "zero_shot": zero[t][n],
                      "phase": phase[t][n], "phase_met": phase[t][n] >= RATIO * teacher[t][n] - 1e-9}
                  for n in teacher[t]} for t in teacher}
-    seeds = apart[SEEDS]
-    pooled = seeds["rows"]["plain"]["multikey_8k_pooled"]
+    plain = apart[SEEDS]["rows"]["plain"]
+    pooled = plain["multikey_8k_pooled"]
     return {"cells": cells, "zero_shot_runs": len(ZERO_SHOT), "phase_runs": len(PHASE),
-            "kv_fraction": seeds["convert"]["kv_fraction"], "phase_tokens": seeds["rows"]["plain"]["distill"]["tokens"],
+            "kv_fraction": apart[SEEDS]["convert"]["kv_fraction"], "phase_tokens": plain["distill"]["tokens"],
             "multikey_8192_seeds_0_4": {"teacher_right": pooled["teacher_right"], "phase_right": pooled["right"],
                                         "prompts": pooled["prompts"],
                                         "phase_met": pooled["right"] >= RATIO * pooled["teacher_right"]}}
