@@ -12,10 +12,11 @@ import json
 
 from decisions import command_line, load  # benchmarks/ is the script's directory
 
-from taylor_calibrate.ablate import TeacherPass
+from taylor_calibrate.experiments.ablate import TeacherPass
 from taylor_calibrate.align import rel_mse
 from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align, load_profile
-from taylor_calibrate.data import CorpusSpec, load_splits
+from taylor_calibrate.config import CorpusSpec
+from taylor_calibrate.data import load_splits
 from taylor_calibrate.results import record
 from taylor_calibrate.policy import gdn_layers, kept_layers
 

@@ -16,10 +16,11 @@ from dataclasses import asdict
 
 import torch
 
-from taylor_calibrate.ablate import TeacherPass
+from taylor_calibrate.experiments.ablate import TeacherPass
 from taylor_calibrate.align import mixer_inputs, rel_mse
 from taylor_calibrate.config import PROFILES, AlignArgs, CalibArgs, GDNConfig, fill_align, load_profile
-from taylor_calibrate.data import CorpusSpec, load_splits
+from taylor_calibrate.config import CorpusSpec
+from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.results import record
 from taylor_calibrate.model.hybrid import swapped_into

@@ -24,11 +24,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from taylor_calibrate.config import GDNConfig
-from taylor_calibrate.export import save_hybrid
+from taylor_calibrate.checkpoint import save_hybrid
 from taylor_calibrate.results import environment, record
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.policy import gdn_layers, kept_layers
-from taylor_calibrate.qwen3_5 import export_qwen3_5, qwen3_form, target_gdn
+from taylor_calibrate.export.qwen3_5 import export_qwen3_5, qwen3_form, target_gdn
 from taylor_calibrate.teacher import resolve_device
 
 

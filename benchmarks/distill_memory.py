@@ -24,7 +24,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from taylor_calibrate.config import GDNConfig
-from taylor_calibrate.export import save_hybrid
+from taylor_calibrate.checkpoint import save_hybrid
 from taylor_calibrate.results import record
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.teacher import load_tokenizer

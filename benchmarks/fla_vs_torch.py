@@ -14,7 +14,8 @@ import time
 import torch
 
 from taylor_calibrate import GDNConfig, convert_teacher
-from taylor_calibrate.data import CorpusSpec, load_splits
+from taylor_calibrate.config import CorpusSpec
+from taylor_calibrate.data import load_splits
 from taylor_calibrate.results import record
 from taylor_calibrate.policy import gdn_layers, kept_layers
 from taylor_calibrate.teacher import load_teacher

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from taylor_calibrate.export import load_model
+from taylor_calibrate.checkpoint import load_model
 from taylor_calibrate.model.hybrid import kept_heads
 from taylor_calibrate.results import record
 from taylor_calibrate.retrieval import TASKS, answer_scores, eval_probes

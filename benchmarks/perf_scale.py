@@ -1,5 +1,5 @@
 """The default conversion (statistics, phase 1, phase 2, held-out evaluation; full profile) per stage, with peak
-memory, for a Qwen2.5-1.5B shape and a Qwen3-8B shape, teachers built in memory (convert.convert_loaded).
+memory, for a Qwen2.5-1.5B shape and a Qwen3-8B shape, teachers built in memory (convert.convert).
 
     python benchmarks/perf_scale.py --out perf_scale.json
     python benchmarks/perf_scale.py --tiny --device cpu --tokenizer bytes --out /tmp/perf_scale.json
@@ -7,7 +7,6 @@ memory, for a Qwen2.5-1.5B shape and a Qwen3-8B shape, teachers built in memory 
 from __future__ import annotations
 
 import json
-import time
 
 import torch
 
@@ -15,7 +14,7 @@ import torch
 from perf_common import allocated, build_teacher, free, load_tokenizer, mb, run_benchmark
 
 from taylor_calibrate.config import AlignArgs, ConvertArgs, DataArgs
-from taylor_calibrate.convert import convert_loaded
+from taylor_calibrate.convert import Clock, convert, resolve_runtime
 from taylor_calibrate.teacher import Teacher
 
 DEFAULTS = {'scale_shapes': ('1p5b,8b', '1p5b,8b')}
@@ -29,8 +28,9 @@ def part_scale(a, device, dtype, res, save, tokenizer, tokenizer_name):
         before = allocated(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()  # load_teacher_s = building the random teacher
-        model = build_teacher(shape, a.tiny, device, dtype)
+        clock = Clock()
+        with clock("load_teacher"):  # building the random teacher
+            model = build_teacher(shape, a.tiny, device, dtype)
         weights = None if before is None else allocated(device) - before
         teacher = Teacher(model=model, tokenizer=tokenizer, name=f"random {shape} shape")
         args = ConvertArgs(teacher=f"random-{shape}", device=device.type, dtype=str(dtype).replace("torch.", ""))
@@ -41,7 +41,7 @@ def part_scale(a, device, dtype, res, save, tokenizer, tokenizer_name):
             args.phase2.steps = a.scale_align_steps
         row = {"shape": shape, "tokenizer": tokenizer_name}
         try:
-            report = convert_loaded(args, teacher, t0, save=False)
+            report = convert(args, teacher, resolve_runtime(args), clock).report
             peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
             row.update(wall_s=report["wall_s"], stage_s=report["stage_s"], peak_mem_mb=mb(peak), weights_mb=mb(weights),
                        profile=report["profile"], backend=report["backend"], dtype=report["dtype"],

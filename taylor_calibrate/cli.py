@@ -9,19 +9,19 @@ import logging
 import shlex
 import sys
 
-from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+from jsonargparse import ArgumentParser, set_parsing_settings
 
-from taylor_calibrate.ablate import run_ablate
+from taylor_calibrate.experiments.ablate import run_ablate
 from taylor_calibrate.config import (AblateArgs, ConvertArgs, DistillArgs, EvalArgs, ExportArgs, RecoveryArgs,
-                                     TokenizeArgs, TradeoffArgs)
+                                     TokenizeArgs, TradeoffArgs, args_of, args_parser)
 from taylor_calibrate.convert import run_convert
 from taylor_calibrate.data import run_tokenize
 from taylor_calibrate.distill import run_distill
 from taylor_calibrate.evaluate import run_eval
-from taylor_calibrate.qwen3_5 import run_export
-from taylor_calibrate.recovery import run_recovery
-from taylor_calibrate.results import ReportArgs, run_report
-from taylor_calibrate.tradeoff import run_tradeoff
+from taylor_calibrate.export import run_export
+from taylor_calibrate.experiments.recovery import run_recovery
+from taylor_calibrate.experiments.tradeoff import run_tradeoff
+from taylor_calibrate.results import ReportArgs, package_state, run_report
 
 COMMANDS = {
     "convert": (ConvertArgs, run_convert),
@@ -41,10 +41,7 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="taylor-calibrate", description=__doc__.splitlines()[0])
     sub = parser.add_subcommands(dest="command")
     for name, (args_cls, fn) in COMMANDS.items():
-        p = ArgumentParser(description=fn.__doc__)
-        p.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
-        p.add_class_arguments(args_cls, nested_key=None)
-        sub.add_subcommand(name, p, help=fn.__doc__)
+        sub.add_subcommand(name, args_parser(args_cls, fn.__doc__), help=fn.__doc__)
     return parser
 
 
@@ -53,9 +50,7 @@ def parse(argv: list[str] | None = None):
     parser = build_parser()
     cfg = parser.parse_args(argv)
     name = cfg.command
-    fields = vars(parser.instantiate(cfg)[name])
-    args_cls = COMMANDS[name][0]
-    return name, args_cls(**{k: v for k, v in fields.items() if k != "config" and not k.startswith("__")})
+    return name, args_of(COMMANDS[name][0], parser.instantiate(cfg)[name])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     name = next((w for w in words if w in COMMANDS), None)  # for the error line, before parsing succeeds
     try:
         name, args = parse(argv)
+        package_state()  # the code this run starts from, recorded in its results however long it runs
         if getattr(args, "command", "") is None:  # results record the command line that made them
             args.command = "taylor-calibrate " + shlex.join(sys.argv[1:] if argv is None else argv)
         COMMANDS[name][1](args)

@@ -11,12 +11,18 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import yaml
+from jsonargparse import ActionConfigFile, ArgumentParser
 from transformers import PreTrainedConfig
 
-from taylor_calibrate.data import CorpusSpec
-from taylor_calibrate.retrieval import LENGTHS as NIAH_LENGTHS, NEW_TOKENS as NIAH_NEW_TOKENS, TASKS as NIAH_TASKS
 
 log = logging.getLogger("taylor_calibrate")
+
+NIAH_TASKS = ("single", "multikey", "passkey")
+"""Needle-in-a-haystack tasks (retrieval.py builds them)."""
+NIAH_LENGTHS = (1024, 2048, 4096, 8192)
+NIAH_NEW_TOKENS = 64
+"""Tokens generated per NIAH prompt. RULER allows up to 128 for these tasks; a model that restates the question
+before it answers needs more than a handful (docs/decisions.md, "NIAH reply budget")."""
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
@@ -252,6 +258,23 @@ class AlignArgs:
             raise ValueError(f"align option lr_qkv={self.lr_qkv} must be >= 0 or None (from --profile)")
         if self.lr_dynamics is not None and self.lr_dynamics < 0:
             raise ValueError(f"align option lr_dynamics={self.lr_dynamics} must be >= 0 or None")
+
+
+@dataclass
+class CorpusSpec:
+    """Where the text comes from and how much of it is held out."""
+
+    source: str = "builtin"
+    """"builtin" (Python stdlib source), "pysrc" (the stdlib and the source files every installed package ships:
+    hundreds of MB of code, for long distillation runs offline), a directory of token shards (`taylor-calibrate
+    tokenize`), a text file, a directory of text files, a .jsonl file,
+    a directory written by `datasets.Dataset.save_to_disk`, or "hf:<name>[:<config>]" (needs network)."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl records and `datasets` rows."""
+    split: str = "train"
+    """Split of a saved DatasetDict; the default "train" falls back to the first split if absent."""
+    heldout_fraction: float = 0.5
+    """Expected fraction of documents held out for perplexity, in (0, 1)."""
 
 
 @dataclass
@@ -740,3 +763,23 @@ class ExportArgs:
     def __post_init__(self):
         if self.format not in EXPORT_FORMATS:
             raise ValueError(f"export format={self.format!r} is not one of {EXPORT_FORMATS}")
+
+
+def args_parser(args_cls, description: str | None = None) -> ArgumentParser:
+    """The parser of one command's argument dataclass: its flags, and `--config FILE.yaml` with any of them."""
+    parser = ArgumentParser(description=description)
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
+    parser.add_class_arguments(args_cls, nested_key=None)
+    return parser
+
+
+def args_of(args_cls, namespace):
+    """A parsed (instantiated) namespace -> the argument dataclass."""
+    return args_cls(**{k: v for k, v in vars(namespace).items() if k != "config" and not k.startswith("__")})
+
+
+def parse_args_of(args_cls, argv: list[str]):
+    """Flags -> `args_cls` (e.g. the `distill` flags of an end-to-end phase inside `tradeoff`)."""
+    parser = args_parser(args_cls)
+    return args_of(args_cls, parser.instantiate(parser.parse_args(argv)))
+

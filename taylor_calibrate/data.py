@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from taylor_calibrate.config import CorpusSpec
+
 log = logging.getLogger(__name__)
 
 # Directories of the standard library that are not ordinary library source: tests are full of
@@ -41,23 +43,6 @@ _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # w
 _PYSRC_MAX_BYTES = 1_000_000  # pysrc skips larger files: generated tables, not code
 _PYSRC_SUFFIXES = {".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".cuh"}
 _CHUNK_CHARS = 2000  # a single text file is cut into documents of about this many characters
-
-
-@dataclass
-class CorpusSpec:
-    """Where the text comes from and how much of it is held out."""
-
-    source: str = "builtin"
-    """"builtin" (Python stdlib source), "pysrc" (the stdlib and the source files every installed package ships:
-    hundreds of MB of code, for long distillation runs offline), a directory of token shards (`taylor-calibrate
-    tokenize`), a text file, a directory of text files, a .jsonl file,
-    a directory written by `datasets.Dataset.save_to_disk`, or "hf:<name>[:<config>]" (needs network)."""
-    text_field: str = "text"
-    """Field holding the text in .jsonl records and `datasets` rows."""
-    split: str = "train"
-    """Split of a saved DatasetDict; the default "train" falls back to the first split if absent."""
-    heldout_fraction: float = 0.5
-    """Expected fraction of documents held out for perplexity, in (0, 1)."""
 
 
 @dataclass

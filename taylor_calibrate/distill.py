@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from taylor_calibrate.config import GDN_TYPE, DistillArgs, TrainArgs, apply_profile, apply_train_profile
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
-from taylor_calibrate.export import REPORT, check_finite, load_model, staged_dir
+from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.config import EvalArgs, apply_profile
 from taylor_calibrate.data import load_splits
-from taylor_calibrate.export import REPORT, load_model
+from taylor_calibrate.checkpoint import REPORT, load_model
 from taylor_calibrate.results import record, write_text
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.retrieval import REPLY_KINDS, niah_scores, reply_rates

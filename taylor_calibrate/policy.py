@@ -183,6 +183,18 @@ def kl_scores(teacher, mixers: dict, tokens: torch.Tensor, batch_size: int = 4) 
     return [kl[n] - kl[i] for i in range(n)]
 
 
+def layer_scores(policy: str, teacher, mixers: dict | None, tokens: torch.Tensor, batch_size: int = 4) -> list[float]:
+    """The per-layer scores a scored layer policy ranks by: `bypass` from the teacher alone, `greedy` and `kl` (and
+    `combined`'s kl half) from hybrids of the phase-1 `mixers`."""
+    if policy == "bypass":
+        return bypass_scores(teacher, tokens, batch_size)
+    if policy == "greedy":
+        return greedy_scores(teacher, mixers, tokens, batch_size)
+    if policy in ("kl", "combined"):
+        return kl_scores(teacher, mixers, tokens, batch_size)
+    raise ValueError(f"policy {policy!r} has no layer scores")
+
+
 def combined_scores(kl: list[float], retrieval: list[float], weight: float) -> list[float]:
     """(1 - weight) * kl + weight * retrieval, each of the two layer scores rounded to SCORE_RESOLUTION (as its own
     policy ranks it) and then scaled min-max to [0, 1] over the layers (all equal: all 0).

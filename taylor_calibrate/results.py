@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -36,9 +37,11 @@ def git_state(repo: str | Path = PACKAGE_ROOT) -> tuple[str | None, bool | None]
     return head.stdout.strip(), (bool(status.stdout.strip()) if status.returncode == 0 else None)
 
 
-PACKAGE_STATE = git_state()
-"""The package's git state when this process imported it: the code that runs, even when the tree moves on before a
-long run writes its results."""
+@functools.cache
+def package_state() -> tuple[str | None, bool | None]:
+    """The package's git state, read once per process (first asked at the start of a command, by `record` at the
+    latest): the code that runs, even when the tree moves on before a long run writes its results."""
+    return git_state()
 
 
 def _version(*dists: str) -> str | None:
@@ -89,7 +92,7 @@ def record(path: str | Path, result: dict, args=None, command: str | None = None
     killed run leaves the old file or the new one, never half of one). `args` are the fully resolved arguments
     (after profiles filled them); `command` defaults to `args.command` or this process's command line."""
     same = Path(repo).resolve() == PACKAGE_ROOT
-    commit, dirty = PACKAGE_STATE if same else git_state(repo)
+    commit, dirty = package_state() if same else git_state(repo)
     if command is None:
         command = getattr(args, "command", None) or command_line()
     out = {**result, "commit": commit, "dirty": dirty, "command": command, "args": resolved_args(args),

@@ -30,14 +30,12 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from taylor_calibrate.config import NIAH_LENGTHS as LENGTHS, NIAH_NEW_TOKENS, NIAH_TASKS as TASKS
+
 log = logging.getLogger("taylor_calibrate")
 
-TASKS = ("single", "multikey", "passkey")
-LENGTHS = (1024, 2048, 4096, 8192)
 MULTIKEY_NEEDLES = 4  # one asked + three distractors (RULER's niah_multikey_1)
-NEW_TOKENS = 64
-"""Tokens generated per NIAH prompt. RULER allows up to 128 for these tasks; a model that restates the question
-before it answers needs more than a handful (docs/decisions.md, "NIAH reply budget")."""
+NEW_TOKENS = NIAH_NEW_TOKENS
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _MAGIC_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "

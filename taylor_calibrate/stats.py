@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ BAND = 16
 """Offsets j = 0..BAND-1 whose mean attention p_{t,t-j} the pass records (the longest short conv GDNConfig allows)."""
 
 _IMPL = "taylor_stats"
+_OBSERVER = "_taylor_observer"  # the attribute that points an attention module at the collector it feeds
 
 
 def far_mass(band: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
@@ -69,6 +71,12 @@ class TeacherStats:
     head_outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # (N, T, H*D): sum_s p_ts v_s per head
     far_mass: dict[int, torch.Tensor] = field(default_factory=dict)  # (N, T, H): p_t of keys >= BAND back, sink out
     tokens: int = 0
+
+    def release(self, layers) -> None:
+        """Drop the stored rows of `layers` (stored to score them; not converted in the end)."""
+        for i in layers:
+            del self.inputs[i], self.head_outputs[i]
+            self.far_mass.pop(i, None)
 
 
 # the per-query quantities averaged into LayerStats, in the order the collector stacks them
@@ -194,9 +202,6 @@ class FarMass:
         return w / w.mean()
 
 
-_ACTIVE = None  # the collector the attention function below feeds (a _Collector, a _NeedleProbe or a FarMass)
-
-
 def _stats_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                      softcap=None, **kwargs):
     """SDPA for the output (so the teacher's forward is unchanged), plus the streamed statistics."""
@@ -209,14 +214,18 @@ def _stats_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     else:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         **kwargs)
-    if _ACTIVE is not None:
+    observer = getattr(module, _OBSERVER, None)
+    if observer is not None:
         window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
-        _ACTIVE.observe(module, query, key, out, scaling, window, softcap)
+        observer.observe(module, query, key, out, scaling, window, softcap)
     return out, None
 
 
-AttentionInterface.register(_IMPL, _stats_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(_IMPL, sdpa_mask)
+@functools.cache
+def _register() -> None:
+    """Make `_stats_attention` selectable by name (`set_attn_implementation`), once, when first observed."""
+    AttentionInterface.register(_IMPL, _stats_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_IMPL, sdpa_mask)
 
 
 @contextlib.contextmanager
@@ -240,14 +249,17 @@ def capturing_inputs(model, inputs: dict[int, list], store_device):
 @contextlib.contextmanager
 def observing(model, collector):
     """Run `model`'s attention through `_stats_attention` (same outputs), feeding `collector.observe`."""
-    global _ACTIVE
+    _register()
     old_impl = model.config._attn_implementation
+    attns = [m for m in model.modules() if hasattr(m, "q_proj")]  # whole attention layers and head-wise parts
     model.set_attn_implementation(_IMPL)
-    _ACTIVE = collector
+    for m in attns:
+        setattr(m, _OBSERVER, collector)
     try:
         yield collector
     finally:
-        _ACTIVE = None
+        for m in attns:
+            delattr(m, _OBSERVER)
         model.set_attn_implementation(old_impl)
 
 

@@ -75,7 +75,7 @@ def check_teacher_dir(path: Path) -> None:
     """An HF checkpoint directory must have a readable config.json and intact safetensors weights (and, checked in
     `load_teacher`, tokenizer files): checked before loading so that the error names the file instead of transformers'
     guess (the hub, sentencepiece)."""
-    from taylor_calibrate.export import check_safetensors
+    from taylor_calibrate.checkpoint import check_safetensors
 
     config = path / "config.json"
     if not config.exists():
@@ -115,7 +115,7 @@ def load_tokenizer(spec: str = DEFAULT_TEACHER):
 def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  attn_implementation: str = "sdpa") -> Teacher:
     """Load a supported causal LM and its tokenizer, frozen, in eval mode."""
-    from taylor_calibrate.export import check_loaded
+    from taylor_calibrate.checkpoint import check_loaded
 
     where, kw = _locate(spec)
     local = os.path.isdir(where)

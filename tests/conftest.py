@@ -114,7 +114,7 @@ def tiny_saved_hybrid(root):
     from transformers import AutoTokenizer
 
     from taylor_calibrate import GDNConfig, convert_teacher
-    from taylor_calibrate.export import save_hybrid
+    from taylor_calibrate.checkpoint import save_hybrid
 
     teacher_dir, _ = tiny_local_teacher(root)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)

@@ -6,7 +6,7 @@ import math
 import pytest
 from conftest import one_thread, tiny_local_teacher
 
-from taylor_calibrate.ablate import markdown_table, parse_init, run_ablate
+from taylor_calibrate.experiments.ablate import markdown_table, parse_init, run_ablate
 from taylor_calibrate.config import AblateArgs, AlignArgs, DataArgs
 
 INITS = ["copy", "align", "taylor", "taylor+align"]
@@ -112,7 +112,7 @@ def test_parse_init_bad_method(spec):
 
 @pytest.mark.parametrize("kw", [{"inits": ["taylor+foo"]}, {"policies": ["uniform", "greedyish"]}])
 def test_bad_ablate_options_fail_before_any_work(kw, monkeypatch):
-    import taylor_calibrate.ablate as ablate
+    import taylor_calibrate.experiments.ablate as ablate
 
     def no_teacher(*args, **kwargs):
         raise AssertionError("run_ablate loaded the teacher before validating its options")
@@ -125,7 +125,7 @@ def test_bad_ablate_options_fail_before_any_work(kw, monkeypatch):
 def test_choose_layers_honours_the_kv_budget():
     from types import SimpleNamespace
 
-    from taylor_calibrate.ablate import choose_layers
+    from taylor_calibrate.experiments.ablate import choose_layers
 
     model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=30))
     kept, _ = choose_layers(model, ["uniform"], {}, None, SimpleNamespace(keep_every=4, kv_budget=0.1))

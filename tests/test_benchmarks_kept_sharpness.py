@@ -8,7 +8,7 @@ import torch
 from conftest import load_benchmark, tiny_saved_hybrid, tiny_teacher
 from transformers import AutoTokenizer
 
-from taylor_calibrate.export import load_model
+from taylor_calibrate.checkpoint import load_model
 from taylor_calibrate.retrieval import answer_scores, eval_probes
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -64,7 +64,7 @@ def test_niah_options_are_one_set_checked_alike(make, samples):
 def test_niah_generation_budget_and_seed_reach_the_scorer(module, monkeypatch, tmp_path):
     """recovery and tradeoff score NIAH with the --niah_new_tokens and --niah_seed they were given."""
     import importlib
-    mod = importlib.import_module(f"taylor_calibrate.{module}")
+    mod = importlib.import_module(f"taylor_calibrate.experiments.{module}")
     seen = {}
     monkeypatch.setattr(mod, "niah_scores", lambda model, tok, **kw: seen.update(kw) or {})
     if module == "recovery":

@@ -86,7 +86,7 @@ def test_cli_bad_input_is_a_clear_error(argv, match, capsys, tmp_path):
 
 
 def test_corrupt_checkpoint_is_named(tmp_path):
-    from taylor_calibrate.export import load_model
+    from taylor_calibrate.checkpoint import load_model
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"\x00garbage")

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from taylor_calibrate.cli import main
 from taylor_calibrate.config import GDNConfig
-from taylor_calibrate.export import save_hybrid
+from taylor_calibrate.checkpoint import save_hybrid
 from taylor_calibrate.model.hybrid import convert_teacher
 
 GDN_LAYERS = [1, 3]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from taylor_calibrate.cli import main
 from taylor_calibrate.config import GDNConfig
 from taylor_calibrate.evaluate import agreement, import_lm_eval, lm_eval_tasks, nll_sum
-from taylor_calibrate.export import save_hybrid
+from taylor_calibrate.checkpoint import save_hybrid
 from taylor_calibrate.model.hybrid import convert_teacher
 from conftest import tiny_teacher
 

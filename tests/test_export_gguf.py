@@ -1,4 +1,4 @@
-"""GGUF export for llama.cpp's qwen35 (taylor_calibrate/qwen35_gguf.py): tensor names, shapes and metadata are the ones
+"""GGUF export for llama.cpp's qwen35 (taylor_calibrate/export/gguf.py): tensor names, shapes and metadata are the ones
 llama.cpp's loader reads; with llama-cpp-python installed, llama.cpp's logits equal our hybrid's."""
 import importlib.util
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from taylor_calibrate.export import save_hybrid
-from taylor_calibrate.qwen35_gguf import export_gguf
+from taylor_calibrate.checkpoint import save_hybrid
+from taylor_calibrate.export.gguf import export_gguf
 
 from conftest import VOCAB, tiny_corpus, tiny_tokenizer
 from test_export_qwen3_5 import tiny_hybrid

@@ -1,4 +1,4 @@
-"""Export to Qwen3.5 (taylor_calibrate/qwen3_5.py): transformers' own Qwen3_5ForCausalLM, run in a subprocess that never
+"""Export to Qwen3.5 (taylor_calibrate/export/qwen3_5.py): transformers' own Qwen3_5ForCausalLM, run in a subprocess that never
 imports our package, gives our hybrid's logits."""
 import json
 import os
@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from taylor_calibrate.config import GDNConfig
-from taylor_calibrate.export import save_hybrid
+from taylor_calibrate.checkpoint import save_hybrid
 from taylor_calibrate.model.hybrid import convert_teacher
-from taylor_calibrate.qwen3_5 import export_qwen3_5, full_attention_interval, mrope_section
+from taylor_calibrate.export.qwen3_5 import export_qwen3_5, full_attention_interval, mrope_section
 
 from conftest import tiny_teacher
 
@@ -157,7 +157,7 @@ def test_target_qwen3_5_converts_exports_and_loads(tmp_path, arch):
     from conftest import one_thread
 
     from taylor_calibrate.cli import main
-    from taylor_calibrate.export import load_model
+    from taylor_calibrate.checkpoint import load_model
 
     teacher_dir, corpus = local_teacher(tmp_path, arch)
     out, served = tmp_path / "hybrid", tmp_path / "served"
@@ -199,7 +199,7 @@ def test_cli_export_of_an_unsupported_hybrid_is_a_clear_error(tmp_path, capsys):
 
 
 def test_target_qwen3_5_refuses_gemma3_with_the_reason():
-    from taylor_calibrate.qwen3_5 import qwen3_form
+    from taylor_calibrate.export.qwen3_5 import qwen3_form
 
     with pytest.raises(ValueError, match="Gemma 3"):
         qwen3_form(tiny_teacher("gemma3_text"))
@@ -209,7 +209,7 @@ def test_target_qwen3_5_refuses_gemma3_with_the_reason():
 def _kept_attention(arch, shared: float = 3.0):
     """(teacher attention, its Qwen3-form copy, rotary, inputs): inputs with a shared direction of size `shared` x their
     spread, as real residual streams have (SmolLM2's attention inputs: x.d spreads by about 2% over tokens)."""
-    from taylor_calibrate.qwen3_5 import qwen3_form
+    from taylor_calibrate.export.qwen3_5 import qwen3_form
 
     teacher = tiny_teacher(arch, initializer_range=0.2)
     form = qwen3_form(teacher)
@@ -234,7 +234,7 @@ def test_start_qk_norm_keeps_the_teachers_q_and_k_but_one_pair(arch):
     where the teacher has a bias (Qwen2), so attention keeps its temperature and pattern. The pair's logit term is 0
     (q norm weight 0 there)."""
     from taylor_calibrate.calibrate import constant_direction
-    from taylor_calibrate.qwen3_5 import start_qk_norm
+    from taylor_calibrate.export.qwen3_5 import start_qk_norm
 
     teacher_attn, attn, rotary, x = _kept_attention(arch)
     pair = start_qk_norm(attn, rotary, x)
@@ -254,7 +254,7 @@ def test_start_qk_norm_keeps_the_teachers_q_and_k_but_one_pair(arch):
 
 @torch.no_grad()
 def test_spare_pair_is_a_pair_attention_does_not_use():
-    from taylor_calibrate.qwen3_5 import spare_pair
+    from taylor_calibrate.export.qwen3_5 import spare_pair
 
     teacher_attn, attn, rotary, x = _kept_attention("llama")
     D = attn.head_dim

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import one_thread, tiny_local_teacher, tiny_teacher
 
-from taylor_calibrate.ablate import check_policies
+from taylor_calibrate.experiments.ablate import check_policies
 from taylor_calibrate.cli import main
 from taylor_calibrate.config import ConvertArgs, GDNConfig
 from taylor_calibrate.model.hybrid import make_mixers

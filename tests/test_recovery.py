@@ -7,7 +7,7 @@ import torch
 from conftest import one_thread, tiny_local_teacher
 
 from taylor_calibrate.config import AlignArgs, DataArgs, RecoveryArgs, TrainArgs
-from taylor_calibrate.recovery import run_recovery, tokens_to_match, tokens_to_reach
+from taylor_calibrate.experiments.recovery import run_recovery, tokens_to_match, tokens_to_reach
 
 
 def test_tokens_to_reach_interpolates():
@@ -111,7 +111,7 @@ def test_time_limit_stops_cleanly_and_the_same_command_continues(recovered, tmp_
 # --- retrieval-scored policies: students built by convert, cached ---------------------------------------------------
 @pytest.fixture(scope="module")
 def recovered_heads(tmp_path_factory):
-    """recovery --policies '[heads]' with two inits: each student built by convert_loaded (head-wise)."""
+    """recovery --policies '[heads]' with two inits: each student built by convert (head-wise)."""
     root = tmp_path_factory.mktemp("recovery_heads")
     teacher_dir, corpus = tiny_local_teacher(root, max_position_embeddings=1024)
     args = RecoveryArgs(
@@ -127,7 +127,7 @@ def recovered_heads(tmp_path_factory):
 
 
 def _no_conversion(*a, **k):
-    raise AssertionError("convert_loaded called: the cached student should have been read")
+    raise AssertionError("convert called: the cached student should have been read")
 
 
 def test_heads_policy_runs_on_converted_students(recovered_heads):
@@ -156,7 +156,7 @@ def test_heads_rerun_reads_the_cached_students(recovered_heads, monkeypatch):
     from taylor_calibrate import recovery
 
     args, result, out = recovered_heads
-    monkeypatch.setattr(recovery, "convert_loaded", _no_conversion)
+    monkeypatch.setattr(recovery, "convert", _no_conversion)
     shutil.rmtree(out / "runs" / "heads__taylor+align")
     with one_thread():
         again = run_recovery(args)
@@ -177,7 +177,7 @@ def test_heads_time_limit_resumes_without_converting_again(recovered_heads, tmp_
         stopped = run_recovery(part)
     assert stopped["complete"] is False and stopped["policies"]["heads"] == {}
     assert stopped["kept_groups"] == result["kept_groups"]
-    monkeypatch.setattr(recovery, "convert_loaded", _no_conversion)
+    monkeypatch.setattr(recovery, "convert", _no_conversion)
     with one_thread():
         done = run_recovery(dataclasses.replace(part, time_limit_s=None))
     assert done["complete"] is True
@@ -186,7 +186,7 @@ def test_heads_time_limit_resumes_without_converting_again(recovered_heads, tmp_
 
 
 def test_retrieval_policies_are_accepted_and_others_fail_early():
-    from taylor_calibrate.recovery import parse_runs
+    from taylor_calibrate.experiments.recovery import parse_runs
 
     args = RecoveryArgs(policies=["auto", "heads", "retrieval", "uniform"], inits=["copy", "align"], extra=[])
     assert len(parse_runs(args)) == 8
@@ -202,7 +202,7 @@ def test_niah_runs_compiled_layers_eagerly(tmp_path, single_thread):
     from taylor_calibrate.config import GDNConfig
     from taylor_calibrate.distill import compile_layers, uncompile_layers
     from taylor_calibrate.model.hybrid import convert_teacher
-    from taylor_calibrate.recovery import _niah
+    from taylor_calibrate.experiments.recovery import _niah
 
     teacher_dir, _ = tiny_local_teacher(tmp_path, max_position_embeddings=1024)
     tok, teacher = AutoTokenizer.from_pretrained(teacher_dir), AutoModelForCausalLM.from_pretrained(teacher_dir)

@@ -112,7 +112,8 @@ def test_report_renders_the_json(tmp_path, repo, capsys):
     assert main(["report", "--file", str(tmp_path / "missing.json")]) == 2
 
 
-def test_record_keeps_the_commit_the_process_imported(tmp_path, monkeypatch):
-    """A run that outlives a commit records the code it ran (the state at import), not the later HEAD."""
-    monkeypatch.setattr(results, "PACKAGE_STATE", ("abc123", False))
+def test_record_keeps_the_commit_the_run_started_from(tmp_path, monkeypatch):
+    """A run that outlives a commit records the code it ran (the state read when the command started), not the later
+    HEAD."""
+    monkeypatch.setattr(results, "package_state", lambda: ("abc123", False))
     assert results.record(tmp_path / "r.json", {"x": 1})["commit"] == "abc123"

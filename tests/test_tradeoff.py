@@ -66,7 +66,7 @@ def test_end_to_end_phase_adds_a_distilled_row(tmp_path):
 def test_row_label_names_what_changes_the_result():
     """A row is named by what departs from the defaults; flags that only change how a run is carried out
     (micro-batches, checkpoints, compile) stay out of its name."""
-    from taylor_calibrate.tradeoff import label
+    from taylor_calibrate.experiments.tradeoff import label
     row = {"policy": "heads", "seed": 1, "phase2_far_weight": AlignArgs.far_weight, "distill_tokens": 10,
            "distill_flags": "--data.seq_len 4096 --train.micro_batch_size 8 --train.far_weight 16 --train.compile=false"}
     assert label(row) == "heads (seed 1) + end-to-end (--train.far_weight 16)"

@@ -19,7 +19,7 @@ from transformers.initialization import no_init_weights
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from taylor_calibrate.config import ATTENTION_TYPES, GDN_TYPE, HEADWISE_TYPES, GDNConfig, HybridConfig, gdn_dict
-from taylor_calibrate.export import check_loaded, check_report
+from taylor_calibrate.checkpoint import check_loaded, check_report
 from taylor_calibrate.model.gdn import GatedDeltaNet, copy_attention_weights, init_recurrent_defaults
 from taylor_calibrate.ops import resolve_backend
 

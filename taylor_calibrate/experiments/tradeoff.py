@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from taylor_calibrate.checks import check_out
-from taylor_calibrate.config import (AlignArgs, ConvertArgs, TradeoffArgs, apply_profile, apply_train_profile,
-                                     convert_args_of)
-from taylor_calibrate.convert import convert_loaded
+from taylor_calibrate.config import (AlignArgs, ConvertArgs, DistillArgs, TradeoffArgs, apply_profile, apply_train_profile,
+                                     convert_args_of, parse_args_of)
+from taylor_calibrate.convert import convert, resolve_runtime
 from taylor_calibrate.data import distill_data, load_splits
 from taylor_calibrate.distill import distill
 from taylor_calibrate.evaluate import perplexity
@@ -50,9 +50,7 @@ def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str
     """The end-to-end phase after a conversion: `distill` of the whole hybrid toward the teacher for
     args.distill_tokens tokens with distill options `flags`, then the held-out perplexity on the zero-shot row's text.
     Returns (the row, with distill_tokens > 0; the distilled hybrid)."""
-    from taylor_calibrate.cli import parse
-
-    _, d = parse(["distill", "--profile", convert_args.profile, *shlex.split(flags)])
+    d = parse_args_of(DistillArgs, ["--profile", convert_args.profile, *shlex.split(flags)])
     apply_profile(d, device.type)
     apply_train_profile(d.train, d.profile)
     d.train.tokens = args.distill_tokens
@@ -194,7 +192,8 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
         conv = replace(base, policy=policy, kv_budget=budget, seed=seed, phase2=replace(base.phase2, seed=seed),
                        data=copy.copy(base.data))
         t = time.perf_counter()
-        report, hybrid = convert_loaded(conv, teacher, save=False, return_model=True)
+        c = convert(conv, teacher, resolve_runtime(conv))
+        report, hybrid = c.report, c.hybrid
         result["teacher"]["ppl"] = report["teacher_ppl"]
         row = {"policy": policy, "granularity": "head" if policy == "heads" else "layer", "kv_budget": budget,
                "kv_fraction": report["kv_fraction"], "ppl": report["hybrid_ppl"], "distill_tokens": 0, "seed": seed,

@@ -34,9 +34,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from taylor_calibrate.calibrate import constant_direction
-from taylor_calibrate.checks import check_out
-from taylor_calibrate.config import GDN_TYPE, ExportArgs, HybridConfig
-from taylor_calibrate.export import check_safetensors, check_state
+from taylor_calibrate.config import GDN_TYPE, HybridConfig
+from taylor_calibrate.checkpoint import check_safetensors, check_state
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -307,21 +306,6 @@ def export_qwen3_5(model_dir: str | Path, out_dir: str | Path) -> Path:
     log.info("exported %s -> %s (qwen3_5_text, %d layers: %s)", src, out, len(cfg.layer_types),
              "".join("G" if t == GDN_TYPE else "A" for t in cfg.layer_types))
     return out
-
-
-def run_export(args: ExportArgs) -> dict:
-    """Export a converted hybrid to a format that inference engines run without our package."""
-    check_out(args.out, "export", inputs={"--model": args.model})
-    if args.format == "gguf":
-        from taylor_calibrate.qwen35_gguf import export_gguf
-
-        out = export_gguf(args.model, args.out)
-        print(f"exported {args.model} -> {out} (GGUF, llama.cpp architecture qwen35)")
-    else:
-        out = export_qwen3_5(args.model, args.out)
-        print(f"exported {args.model} -> {out} ({args.format}): load with transformers' AutoModelForCausalLM, no "
-              "trust_remote_code")
-    return {"model": args.model, "out": str(out), "format": args.format}
 
 
 # --- `convert --target qwen3_5`: the teacher in the form Qwen3.5's attention takes ----------------------------------

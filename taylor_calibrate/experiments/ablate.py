@@ -25,7 +25,7 @@ from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.results import record
 from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.ops import resolve_backend, training_backend
-from taylor_calibrate.policy import RETRIEVAL, bypass_scores, gdn_layers, greedy_scores, kept_layers, kl_scores
+from taylor_calibrate.policy import RETRIEVAL, gdn_layers, kept_layers, layer_scores
 from taylor_calibrate.stats import TeacherStats, attention_targets, collect_stats, far_weights
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
@@ -104,12 +104,8 @@ def choose_layers(model, policies: list[str], built: dict, calib: torch.Tensor, 
     n = model.config.num_hidden_layers
     kept, scores = {}, {}
     for policy in policies:
-        if policy == "bypass":
-            scores[policy] = bypass_scores(model, calib[:4], args.eval_batch_size)
-        elif policy == "greedy":
-            scores[policy] = greedy_scores(model, built[("taylor", False)], calib[:4], args.eval_batch_size)
-        elif policy == "kl":
-            scores[policy] = kl_scores(model, built[("taylor", False)], calib[:4], args.eval_batch_size)
+        if policy in ("bypass", "greedy", "kl"):
+            scores[policy] = layer_scores(policy, model, built[("taylor", False)], calib[:4], args.eval_batch_size)
         kept[policy] = kept_layers(policy, n, args.keep_every, scores.get(policy), args.kv_budget)
     return kept, scores
 

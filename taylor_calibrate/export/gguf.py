@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from taylor_calibrate.config import GDN_TYPE
-from taylor_calibrate.qwen3_5 import _load_hybrid_files, qwen3_5_config, qwen3_5_state_dict
+from taylor_calibrate.export.qwen3_5 import _load_hybrid_files, qwen3_5_config, qwen3_5_state_dict
 
 log = logging.getLogger("taylor_calibrate")
 

@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from taylor_calibrate.ablate import TeacherPass, build_all, check_policies, parse_init
+from taylor_calibrate.experiments.ablate import TeacherPass, build_all, check_policies, parse_init
 from taylor_calibrate.checks import check_out
 from taylor_calibrate.config import (ConvertArgs, RecoveryArgs, apply_profile, apply_train_profile,
                                      convert_args_of)
-from taylor_calibrate.convert import convert_loaded
+from taylor_calibrate.convert import convert, resolve_runtime
 from taylor_calibrate.data import TOKENS_META, TokenSplits, distill_data, is_token_dir
 from taylor_calibrate.distill import Dist, all_sum, distill, init_distributed
 from taylor_calibrate.evaluate import perplexity
@@ -150,7 +150,7 @@ def convert_args(args: RecoveryArgs, policy: str, init: str) -> ConvertArgs:
 
 def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryArgs, cache: Path) -> dict:
     """{policy: {init: what convert kept}} for the runs of CONVERTED policies: each student built once by
-    `convert_loaded` and cached (its GDN mixers as safetensors, then its report's STUDENT_KEYS as JSON, written
+    `convert` and cached (its GDN mixers as safetensors, then its report's STUDENT_KEYS as JSON, written
     last), so a restarted experiment loads it instead of converting again. All inits of one policy must keep the
     same heads (they are scored on the teacher): checked."""
     students: dict[str, dict] = {}
@@ -163,7 +163,9 @@ def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryA
             info = json.loads(meta.read_text())
         else:
             print(f"\nrecovery: converting the {policy} / {init} student")
-            report, hybrid = convert_loaded(convert_args(args, policy, init), teacher, save=False, return_model=True)
+            conv = convert_args(args, policy, init)
+            c = convert(conv, teacher, resolve_runtime(conv))
+            report, hybrid = c.report, c.hybrid
             cache.mkdir(parents=True, exist_ok=True)
             tmp = weights.with_suffix(".tmp")  # every token mixer: GDN ones and the kept attention phase 2 re-aligned
             save_file({k: v.detach().contiguous() for k, v in hybrid.state_dict().items() if ".self_attn." in k},

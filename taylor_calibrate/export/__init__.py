@@ -1,0 +1,23 @@
+"""The `export` command: a converted hybrid -> a format that inference engines run without our package.
+
+qwen3_5.py: transformers' Qwen3.5 (also vLLM, SGLang); gguf.py: llama.cpp's `qwen35` GGUF, from the Qwen3.5 form.
+"""
+from __future__ import annotations
+
+from taylor_calibrate.checks import check_out
+from taylor_calibrate.config import ExportArgs
+from taylor_calibrate.export.gguf import export_gguf
+from taylor_calibrate.export.qwen3_5 import export_qwen3_5
+
+
+def run_export(args: ExportArgs) -> dict:
+    """Export a converted hybrid to a format that inference engines run without our package."""
+    check_out(args.out, "export", inputs={"--model": args.model})
+    if args.format == "gguf":
+        out = export_gguf(args.model, args.out)
+        print(f"exported {args.model} -> {out} (GGUF, llama.cpp architecture qwen35)")
+    else:
+        out = export_qwen3_5(args.model, args.out)
+        print(f"exported {args.model} -> {out} ({args.format}): load with transformers' AutoModelForCausalLM, no "
+              "trust_remote_code")
+    return {"model": args.model, "out": str(out), "format": args.format}
