@@ -57,13 +57,14 @@ def named_paths(text: str) -> list[str]:
 
 
 def test_finds_links_and_paths():
-    text = ("See [a](docs/a.md#x), [web](https://x.org), [here](#y), ![p](p.png).\n"
-            "Run `python benchmarks/perf.py --out FILE` or `taylor_calibrate/convert.py:228`; "
-            "`zero_shot/run.json`, `benchmarks/perf_<part>.py`, `out/hybrid`, `x --out benchmarks/results/new.json`.\n"
-            "```bash\nbash scripts/setup.sh && pytest tests/test_x.py::test_y\n```\n")
-    assert link_targets(text) == ["docs/a.md", "p.png"]
-    assert sorted(named_paths(text)) == ["benchmarks/perf.py", "benchmarks/results/zero_shot/run.json",
-                                         "scripts/setup.sh", "taylor_calibrate/convert.py", "tests/test_x.py"]
+    text = ("See [a](docs/method.md#x), [web](https://x.org), [here](#y), ![p](p.png).\n"
+            "Run `python benchmarks/perf_convert.py --out docs/results.md` or `taylor_calibrate/cli.py:12`; "
+            "`zero_shot/convert_smollm2_cpu.json`, `benchmarks/perf_<part>.py`, `out/hybrid`.\n"
+            "```bash\nbash scripts/setup.sh && pytest tests/test_docs.py::test_finds_links_and_paths\n```\n")
+    assert link_targets(text) == ["docs/method.md", "p.png"]
+    assert sorted(named_paths(text)) == ["benchmarks/perf_convert.py",
+                                         "benchmarks/results/zero_shot/convert_smollm2_cpu.json",
+                                         "scripts/setup.sh", "taylor_calibrate/cli.py", "tests/test_docs.py"]
 
 
 @pytest.mark.parametrize("md", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
