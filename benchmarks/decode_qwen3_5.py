@@ -2,7 +2,7 @@
 
 A teacher of a public shape (random weights: speed does not depend on them) is converted with `--target qwen3_5`'s
 layer form (uniform policy, keep_every 4, copy-only mixers), exported (`export --format qwen3_5`) and loaded back
-with transformers' class. All three models decode through the same static-cache path as benchmarks/perf.py's decode
+with transformers' class. All three models decode through the same static-cache path as benchmarks/perf_decode.py's decode
 part (StaticCache, one step captured as a CUDA graph on a GPU; GDN kernels as each class picks them: fla for ours
 with backend auto, transformers' own choice for Qwen3_5ForCausalLM), over a context x batch grid, beside each cell's
 bandwidth roofline (minimum bytes moved per step). Before timing, the exported model's logits are compared with our
@@ -88,7 +88,7 @@ def fmt(x):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="1p5b", help="teacher shape of benchmarks/perf.py (1p5b: Qwen2.5-1.5B, 8b: "
+    ap.add_argument("--shape", default="1p5b", help="teacher shape of benchmarks/perf_scale.py (1p5b: Qwen2.5-1.5B, 8b: "
                                                      "Qwen3-8B, smollm2)")
     ap.add_argument("--grid", default=None, help="context x batch cells, e.g. 4096x1,4096x8,65536x8")
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps per cell")
