@@ -153,7 +153,7 @@ def test_heads_rerun_reads_the_cached_students(recovered_heads, monkeypatch):
     from its cached student (the same curve as the first time)."""
     import shutil
 
-    from taylor_calibrate import recovery
+    from taylor_calibrate.experiments import recovery
 
     args, result, out = recovered_heads
     monkeypatch.setattr(recovery, "convert", _no_conversion)
@@ -168,7 +168,7 @@ def test_heads_rerun_reads_the_cached_students(recovered_heads, monkeypatch):
 def test_heads_time_limit_resumes_without_converting_again(recovered_heads, tmp_path, monkeypatch):
     import dataclasses
 
-    from taylor_calibrate import recovery
+    from taylor_calibrate.experiments import recovery
 
     args, result, out = recovered_heads
     part = dataclasses.replace(args, out=str(tmp_path / "part"), inits=["taylor+align"], niah=False,
