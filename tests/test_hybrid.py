@@ -5,7 +5,7 @@ from conftest import ARCHS, decoded_logits, tiny_teacher
 from transformers import AutoModelForCausalLM
 
 from taylor_calibrate import GDNConfig, HybridForCausalLM, convert_teacher
-from taylor_calibrate.model.gdn import GatedDeltaNet
+from taylor_calibrate.model.mixers.gdn import GatedDeltaNet
 
 VOCAB = 97
 
