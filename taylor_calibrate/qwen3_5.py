@@ -3,22 +3,17 @@
 Qwen3.5 is a GDN + gated-attention hybrid that transformers, vLLM, SGLang and llama.cpp (`qwen35`) already run, so an
 exported hybrid is served without our package. The map is exact when every piece of ours has a Qwen3.5 counterpart:
 
-    GDN layer (fla names)              Qwen3.5 `linear_attn`
-    q_proj | k_proj | v_proj       ->  in_proj_qkv (rows concatenated)
-    q_conv1d | k_conv1d | v_conv1d ->  conv1d, SiLU after it on q|k|v (no conv: the identity kernel)
-    g_proj, b_proj, a_proj         ->  in_proj_z, in_proj_b, in_proj_a
-    A_log, dt_bias                 ->  A_log, dt_bias
-    o_norm (weight w)              ->  norm (gated RMSNorm, SiLU gate, weight w)
-    o_proj                         ->  out_proj
+    linear mixer                       Qwen3.5 `linear_attn`: the mixer's own map (its spec's "qwen3_5" export;
+                                       GDN's in model/mixers/gdn/export.py)
 
     kept attention                     Qwen3.5 `self_attn` (output multiplied by sigmoid(gate rows of q_proj))
     q_proj                         ->  q_proj, per head [query rows | zero gate rows]: sigmoid(0) = 1/2
     o_proj                         ->  o_proj x 2 (undoes the 1/2 exactly)
     q_norm, k_norm                 ->  q_norm, k_norm stored as w - 1 (every Qwen3.5 RMSNorm computes (1 + w))
 
-Our GDN must then use SiLU on q, k and v, a swish output gate after the per-head norm, no q/k/v bias, and the model's
-RMSNorm epsilon; the kept attention needs per-head q/k RMSNorm (a Qwen3 teacher, or `convert --target qwen3_5`), full
-rotary (partial_rotary_factor 1.0), no sliding window, a SiLU MLP without bias. `check_exportable` names what is not.
+The mixer must take the options Qwen3.5's layer fixes (its export's `problems` names what it lacks); the kept
+attention needs per-head q/k RMSNorm (a Qwen3 teacher, or `convert --target qwen3_5`), full rotary
+(partial_rotary_factor 1.0), no sliding window, a SiLU MLP without bias. `check_exportable` names what is not.
 """
 from __future__ import annotations
 

@@ -204,6 +204,13 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         mixers = {i: self.model.layers[i].self_attn for i in self.config.gdn_layers}
         return {i: getattr(m, "gdn", m) for i, m in mixers.items()}
 
+    def state_bytes(self) -> dict[int, int]:
+        """{layer: bytes of its mixer's decoding state (recurrent + conv) for one sequence}, from the mixer's spec;
+        a head-wise layer's kept heads add a KV cache that grows with the context (not counted here)."""
+        spec = get_spec(self.config.mixer)
+        size = next(self.parameters()).element_size()
+        return {i: spec.state_bytes(m, size) for i, m in self.gdn_mixers.items()}
+
     def set_backend(self, backend: str) -> str:
         """Resolve the kernel backend once (logged) and use it in every mixer layer."""
         resolved = resolve_backend(backend)

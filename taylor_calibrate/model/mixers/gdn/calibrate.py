@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from taylor_calibrate.model.mixers.calibration import (beta_target, concentration, constant_direction, distance,
-                                                       inv_softplus, local_band, solve_mean_sigmoid, swish_inverse)
+from taylor_calibrate.model.mixers.calibration import (beta_target, constant_direction, distance, inv_softplus,
+                                                       local_band, solve_mean_sigmoid, swish_inverse)
 from taylor_calibrate.model.mixers.gdn.module import GatedDeltaNet, identity_conv_
 
 if TYPE_CHECKING:

@@ -1,5 +1,16 @@
-"""How a GDN layer maps onto Qwen3.5's `linear_attn` (the format's description lives in taylor_calibrate.qwen3_5):
-the weight map, the options Qwen3.5's layer fixes, and the identity conv a conv-free layer needs there."""
+"""How a GDN layer maps onto Qwen3.5's `linear_attn` (the format itself: taylor_calibrate.qwen3_5):
+
+    GDN layer (fla names)              Qwen3.5 `linear_attn`
+    q_proj | k_proj | v_proj       ->  in_proj_qkv (rows concatenated)
+    q_conv1d | k_conv1d | v_conv1d ->  conv1d, SiLU after it on q|k|v (no conv: the identity kernel)
+    g_proj, b_proj, a_proj         ->  in_proj_z, in_proj_b, in_proj_a
+    A_log, dt_bias                 ->  A_log, dt_bias
+    o_norm (weight w)              ->  norm (gated RMSNorm, SiLU gate, weight w)
+    o_proj                         ->  out_proj
+
+The GDN must then use SiLU on q, k and v, a swish output gate after the per-head norm, no q/k/v bias, and the
+model's RMSNorm epsilon (`qwen3_5_options`, which `convert --target qwen3_5` builds; `qwen3_5_problems` names what is
+not so)."""
 from __future__ import annotations
 
 import math
