@@ -72,3 +72,23 @@ def test_toy_mixer_calibrates_aligns_saves_loads_and_generates(toy, teacher_stat
         assert out.shape == (1, 13)
         assert torch.equal(out, loaded.generate(ids[:1, :8], max_new_tokens=5, do_sample=False, use_cache=False))
     assert TOY_SPEC.state_bytes(mixers[1], 4) == 4 * 16 * 16 * 4
+
+
+def test_toy_mixer_through_the_convert_stage(toy, tmp_path, single_thread):
+    """`convert` with the toy's options in place of GDN's: statistics, phase 1 (copy), phase 2, evaluation and the
+    saved directory, on the command's own code path."""
+    from conftest import tiny_local_teacher
+
+    from taylor_calibrate.config import ConvertArgs, DataArgs
+    from taylor_calibrate.convert import run_convert
+
+    teacher, corpus = tiny_local_teacher(tmp_path)
+    args = ConvertArgs(teacher=str(teacher), out=str(tmp_path / "toy"), init="copy", policy="uniform", keep_every=2,
+                       device="cpu", backend="torch", gdn=ToyConfig(), probe_samples=1,
+                       phase2=AlignArgs(steps=2, batch_size=2),
+                       data=DataArgs(source=str(corpus), seq_len=32, calib_seqs=2, eval_seqs=2))
+    report = run_convert(args)
+    assert report["gdn_layers"] and report["phase2"]["layers"]
+    loaded, _ = load_model(tmp_path / "toy")
+    assert loaded.config.mixer == "toy"
+    assert all(isinstance(m, ToyGLA) for m in loaded.gdn_mixers.values())
