@@ -1,22 +1,17 @@
 """Targets phase 1 derives from the teacher's attention statistics, shared by the mixers' calibrators: decay
 distance d_h, concentration c_h, the local attention band, and the small solvers that set a gate's level
-(docs/method.md, "Phase 1: calibration"). Torch only: imports nothing of ours."""
+(docs/method.md, "Phase 1: calibration"). Torch only: imports nothing of ours; `st` is a layer's statistics
+(stats.LayerStats), `args` the phase-1 options (config.CalibArgs)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from taylor_calibrate.config import CalibArgs
-    from taylor_calibrate.stats import LayerStats
 
 
 def inv_softplus(y: torch.Tensor) -> torch.Tensor:
     return y + torch.log(-torch.expm1(-y))
 
 
-def concentration(st: LayerStats, paper: bool = False) -> torch.Tensor:
+def concentration(st, paper: bool = False) -> torch.Tensor:
     """c_h in [0, 1]: 1 = one-hot attention, 0 = uniform. taylor: 1 - H_t / log n_t with the sink's mass dropped (it
     does not depend on the layer's other heads); paper: min-max over the layer's heads with the sink counted, as the
     reference."""
@@ -26,13 +21,13 @@ def concentration(st: LayerStats, paper: bool = False) -> torch.Tensor:
     return 1 - (H - H.min()) / (H.max() - H.min()).clamp_min(1e-3)
 
 
-def distance(st: LayerStats, paper: bool = False) -> torch.Tensor:
+def distance(st, paper: bool = False) -> torch.Tensor:
     """d_h, the mean attention distance: taylor drops the sink's mass; paper counts it and floors each query's
     distance at 0.5, as the reference."""
     return (st.distance_floored if paper else st.distance_nosink).clamp_min(0.5)
 
 
-def local_band(st: LayerStats) -> torch.Tensor:
+def local_band(st) -> torch.Tensor:
     """(H, BAND) mean attention p_{t,t-j} on the nearest offsets j, the sink's mass dropped."""
     if st.band_nosink is None:
         raise ValueError("these statistics have no local attention band (collect them with taylor_calibrate.stats)")
@@ -74,6 +69,6 @@ def swish_inverse(a: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def beta_target(st: LayerStats, args: CalibArgs, paper: bool, device) -> torch.Tensor:
+def beta_target(st, args, paper: bool, device) -> torch.Tensor:
     """Target write gate per head: beta*_h = beta_min + beta_span * c_h."""
     return args.beta_min + args.beta_span * concentration(st, paper).to(device)

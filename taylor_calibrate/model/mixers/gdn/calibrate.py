@@ -11,11 +11,11 @@ Two versions, every step switchable for ablations:
   over the conv's offsets), the part of the pattern a RoPE-free recurrence cannot express; with SiLU on v and the
   per-head norm (Qwen3.5's layer), v_proj is pre-scaled so that SiLU works where it is nearly linear.
 Baselines: `copy` (weight copy, library-default dynamics) and `zero_gate` (g_proj = 0).
+Each takes (mixer, st: a layer's stats.LayerStats, x, y, args: config.CalibArgs); the model package imports neither.
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +24,6 @@ from taylor_calibrate.model.mixers.calibration import (beta_target, constant_dir
                                                        local_band, solve_mean_sigmoid, swish_inverse)
 from taylor_calibrate.model.mixers.gdn.module import GatedDeltaNet, identity_conv_
 
-if TYPE_CHECKING:
-    from taylor_calibrate.config import CalibArgs
-    from taylor_calibrate.stats import LayerStats
 
 
 def _readout_unit(mixer: GatedDeltaNet, x: torch.Tensor, norm: bool) -> torch.Tensor:
@@ -51,7 +48,7 @@ def _set_decay(mixer: GatedDeltaNet, rate: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def calibrate_paper(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: torch.Tensor, args: CalibArgs) -> dict:
+def calibrate_paper(mixer: GatedDeltaNet, st, x: torch.Tensor, y: torch.Tensor, args) -> dict:
     """The reference implementation's phase 1, quirks included (docs/method.md, "Phase 1: calibration", "paper"):
     sink counted, min-max concentration, rate clamped, a_proj left random, the write gate's spread set instead of its
     mean, sigma_h multiplied into v_proj (where o_norm cancels it), g_proj = alpha * v_proj. x: (N, T, hidden)
@@ -88,7 +85,7 @@ def calibrate_paper(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: to
 
 
 @torch.no_grad()
-def calibrate_taylor(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: torch.Tensor, args: CalibArgs) -> dict:
+def calibrate_taylor(mixer: GatedDeltaNet, st, x: torch.Tensor, y: torch.Tensor, args) -> dict:
     """Our phase 1: every calibrated quantity takes effect at step 0 (docs/method.md, "Phase 1: calibration",
     "taylor"). x: (N, T, hidden) teacher inputs, y: (N, T, H*D) teacher head outputs (calibration rows, on the
     mixer's device)."""
@@ -187,7 +184,7 @@ def prescale_v(mixer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, tor
     return s, err
 
 
-def _set_local_profile(mixer: GatedDeltaNet, st: LayerStats) -> torch.Tensor:
+def _set_local_profile(mixer: GatedDeltaNet, st) -> torch.Tensor:
     """v conv of head h <- the teacher's mean attention p_{t,t-j} over offsets j < K, renormalised (conv weight
     index K-1-j multiplies x_{t-j}); q / k convs <- identity. Returns the (H, K) kernel."""
     K, D = mixer.cfg.conv_size, mixer.head_dim
