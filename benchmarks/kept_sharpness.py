@@ -25,7 +25,7 @@ import torch
 from taylor_calibrate.config import DataArgs
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.checkpoint import load_model, save_hybrid
-from taylor_calibrate.model.gdn import GatedDeltaNet
+from taylor_calibrate.model.mixers.gdn import GatedDeltaNet
 from taylor_calibrate.model.hybrid import head_dim_of, kept_heads
 from taylor_calibrate.results import record
 from taylor_calibrate.retrieval import TASKS, answer_scores, eval_probes

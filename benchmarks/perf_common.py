@@ -142,7 +142,7 @@ def cache_bytes(cache) -> int:
 def counting_gdn_kernels():
     """Count which GDN implementation (backend/mode) the dispatcher runs, e.g. {"fla/recurrent": 672}."""
     counts = collections.Counter()
-    saved = dict(ops._IMPLS)
+    saved = dict(ops.GDN_KERNELS)
 
     def wrap(key, fn):
         def counted(*args, **kwargs):
@@ -150,11 +150,11 @@ def counting_gdn_kernels():
             return fn(*args, **kwargs)
         return counted
 
-    ops._IMPLS.update({key: wrap(key, fn) for key, fn in saved.items()})
+    ops.GDN_KERNELS.update({key: wrap(key, fn) for key, fn in saved.items()})
     try:
         yield counts
     finally:
-        ops._IMPLS.update(saved)
+        ops.GDN_KERNELS.update(saved)
 
 
 @contextlib.contextmanager

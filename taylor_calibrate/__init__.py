@@ -4,8 +4,9 @@ Importing the package registers the hybrid's config and model with transformers'
 """
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from taylor_calibrate.config import GDNConfig, HybridConfig
 from taylor_calibrate.model.hybrid import HybridForCausalLM, convert_teacher
+from taylor_calibrate.model.hybrid_config import HybridConfig
+from taylor_calibrate.model.mixers.gdn import GDNConfig
 
 __version__ = "0.1.0"
 

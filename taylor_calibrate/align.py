@@ -13,7 +13,7 @@ an error there costs far more than 1/T of the MSE says, AlignArgs.sink_weight).
 Teacher forcing makes the layers independent, so all of them train in one loop over the same stored rows, with no
 teacher forward. A step trains every layer at once: the layers' parameters are stacked (each mixer's parameter is
 a view of its slice), one batched op (`torch.vmap` over the mixer's own `features`) computes every layer's recurrence
-inputs, one `gated_delta_rule` call runs the recurrences of all layers stacked along the batch (sequences never
+inputs, one call of the mixer's `readout` runs the recurrences of all layers stacked along the batch (sequences never
 interact in it, so this is exactly L separate calls, in one kernel launch sequence instead of L), one batched op
 applies every layer's gate and o_proj, and one backward of the summed per-layer losses gives every layer the
 gradient of its own loss. Then per-layer gradient clipping and one AdamW step over the stacked parameters (AdamW is
@@ -22,10 +22,10 @@ own clipping norm, best state and divergence guard; the only thing layers share 
 `layer_group` bounds how many layers share a forward (activation memory).
 
 Choices (the reference's are in docs/method.md, "Phase 1: calibration", "paper"):
-- Parameter groups: the decay and write-gate parameters (A_log, dt_bias, a_proj, b_proj) at `lr_dynamics` (None =
-  `lr`, 0 = frozen at phase 1's values), the other new ones (g_proj, short convs) at `lr`, the copied q/k/v
-  projections (weights and biases) at `lr_qkv`, o_proj at `lr_o` (trained by default, `train_o_proj`) and o_norm at
-  `lr` when asked - the reference freezes both and trains all new parameters at one rate. Weight decay applies to
+- Parameter groups (each mixer's spec places its parameters; GDN's in model/mixers/gdn): the decay and write-gate
+  parameters at `lr_dynamics` (None = `lr`, 0 = frozen at phase 1's values), the other new ones at `lr`, the copied
+  q/k/v projections (weights and biases) at `lr_qkv`, o_proj at `lr_o` (trained by default, `train_o_proj`) and the
+  per-head norm at `lr` when asked - the reference freezes both and trains all new parameters at one rate. Weight decay applies to
   every trained parameter, as in the reference.
 - Schedule: `lr_factor` (AlignArgs.schedule; default wsd: constant, then linear to 0 over the last `decay_fraction`
   of the steps).
@@ -59,20 +59,10 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from tqdm.auto import tqdm
 
 from taylor_calibrate.config import AlignArgs
-from taylor_calibrate.model.gdn import GatedDeltaNet
-from taylor_calibrate.ops import gated_delta_rule
+from taylor_calibrate.model.mixers import spec_of
 from taylor_calibrate.training import Clock, autocast, batch_indices, wsd
 
 log = logging.getLogger("taylor_calibrate")
-
-
-# Which optimizer group each parameter of a GatedDeltaNet belongs to (by its top-level module/parameter name).
-_GROUP_OF = {
-    "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
-    "a_proj": "dynamics", "b_proj": "dynamics", "A_log": "dynamics", "dt_bias": "dynamics", "g_proj": "new",
-    "q_conv1d": "new", "k_conv1d": "new", "v_conv1d": "new",
-    "o_norm": "o_norm", "o_proj": "o_proj",
-}
 
 
 def lr_factor(step: int, args: AlignArgs) -> float:
@@ -82,14 +72,15 @@ def lr_factor(step: int, args: AlignArgs) -> float:
     return wsd(step, args.steps, args.decay_fraction)
 
 
-def _group_of(name: str) -> str:
-    top = name.split(".")[0]
-    if top not in _GROUP_OF:  # a new parameter of GatedDeltaNet must be placed deliberately, not frozen silently
-        raise ValueError(f"align: parameter {name!r} of GatedDeltaNet has no optimizer group")
-    return _GROUP_OF[top]
+def _group_of(mixer: nn.Module, name: str) -> str:
+    """The optimizer group of parameter `name` of `mixer`, by its top-level module/parameter name (the mixer's spec)."""
+    groups, top = spec_of(mixer).param_groups, name.split(".")[0]
+    if top not in groups:  # a new parameter of a mixer must be placed deliberately, not frozen silently
+        raise ValueError(f"align: parameter {name!r} of {type(mixer).__name__} has no optimizer group")
+    return groups[top]
 
 
-def trained_parameters(mixer: GatedDeltaNet, args: AlignArgs) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
+def trained_parameters(mixer: nn.Module, args: AlignArgs) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
     """Trained parameters of one mixer by group ("dynamics", "new", "qkv", "o_proj", "o_norm"); frozen groups are
     left out."""
     groups: dict[str, list] = {"new": [], "qkv": []}
@@ -100,14 +91,14 @@ def trained_parameters(mixer: GatedDeltaNet, args: AlignArgs) -> dict[str, list[
     if args.train_o_norm:
         groups["o_norm"] = []
     for name, p in mixer.named_parameters():
-        group = _group_of(name)
+        group = _group_of(mixer, name)
         if group in groups:
             groups[group].append((name, p))
     return {k: v for k, v in groups.items() if v}
 
 
 @torch.no_grad()
-def rel_mse(mixer: GatedDeltaNet, inputs: Tensor, targets: Tensor, batch_size: int = 4) -> float:
+def rel_mse(mixer: nn.Module, inputs: Tensor, targets: Tensor, batch_size: int = 4) -> float:
     """MSE(mixer(inputs), targets) / Var(targets) over all rows given, `batch_size` rows per forward.
 
     Var is the population variance of all target entries (one scalar per layer); sums are fp64. On CUDA the
@@ -144,7 +135,7 @@ def _check_data(mixers, inputs, targets) -> int:
     return next(iter(shapes))[0]
 
 
-def align_layers(mixers: dict[int, GatedDeltaNet], inputs: dict[int, Tensor], targets: dict[int, Tensor],
+def align_layers(mixers: dict[int, nn.Module], inputs: dict[int, Tensor], targets: dict[int, Tensor],
                  args: AlignArgs, *, eval_rows: int | None = None, weights: dict[int, Tensor] | None = None) -> dict:
     """Train every mixer (in place) to reproduce its layer's teacher attention output; `weights`: optional (N, T)
     loss weights of each layer's positions (stats.far_weights). Returns the report
@@ -265,7 +256,7 @@ class _Staging:
 class _LayerState:
     """One layer's trained parameters, evaluation rows, best state and divergence record."""
 
-    def __init__(self, layer: int, mixer: GatedDeltaNet, x: Tensor, y: Tensor, n_eval: int, batch: int,
+    def __init__(self, layer: int, mixer: nn.Module, x: Tensor, y: Tensor, n_eval: int, batch: int,
                  args: AlignArgs, w: Tensor | None = None):
         self.layer, self.mixer, self.x, self.y, self.w = layer, mixer, x, y, w
         self.eval_x, self.eval_y, self.eval_batch = x[:n_eval], y[:n_eval], batch
@@ -329,7 +320,7 @@ class _LayerState:
 class _Method(nn.Module):
     """Calls one method of a mixer as `forward`, so `torch.func.functional_call` can run it with other parameters."""
 
-    def __init__(self, mixer: GatedDeltaNet, method: str):
+    def __init__(self, mixer: nn.Module, method: str):
         super().__init__()
         self.mixer, self.method = mixer, method
 
@@ -373,8 +364,7 @@ class _Stack:
         L, B = xs.shape[:2]
         self.mixer.train()
         feats = torch.vmap(lambda p, x: functional_call(self.features, p, (x,)))(params, xs)
-        o, _ = gated_delta_rule(*(t.flatten(0, 1) for t in feats), scale=self.mixer.head_dim ** -0.5,
-                                backend=self.mixer.backend)  # q, k, v, g, beta: layers along the batch
+        o = self.mixer.readout(*(t.flatten(0, 1) for t in feats))  # the recurrence, layers along the batch
         outs = torch.vmap(lambda p, x, o: functional_call(self.output, p, (x, o)))(params, xs, o.unflatten(0, (L, B)))
         err = (outs.float() - ys).pow(2).mean(3)  # (L, B, T)
         per_pos = (err if ws is None else err * ws).mean(1)  # (L, T)
@@ -424,7 +414,7 @@ class _Training:
                        for i in range(0, len(part), self.group)]
         lrs = {"new": args.lr, "qkv": args.lr_qkv, "o_proj": args.lr_o, "o_norm": args.lr,
                "dynamics": args.lr if args.lr_dynamics is None else args.lr_dynamics}
-        groups = {g: [t for st in self.stacks for n, t in st.trained().items() if _group_of(n) == g] for g in lrs}
+        groups = {g: [t for st in self.stacks for n, t in st.trained().items() if _group_of(st.mixer, n) == g] for g in lrs}
         groups = {g: ps for g, ps in groups.items() if ps}
         self.base_lrs = [lrs[g] for g in groups]
         # fused: one kernel per step instead of a few per parameter (small layers are launch-bound on a GPU)

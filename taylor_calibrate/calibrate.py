@@ -1,312 +1,36 @@
-"""Phase 1: analytic calibration of the GDN dynamics from teacher attention statistics (docs/method.md,
-"Phase 1: calibration").
-
-Two versions, every step switchable for ablations:
-- `paper`: the public reference implementation as docs/method.md ("paper") states it, quirks included.
-- `taylor` (ours): docs/method.md ("taylor"), every calibrated quantity takes effect at step 0:
-  decay a_proj = 0 so the half-life is exactly d_h; the *mean* write gate equals beta*_h (solved on the calibration
-  inputs, not just the logits' spread); the per-head amplitude sigma_h reaches the output (through the gate's
-  mean when a per-head norm would cancel it, else through o_proj); the output gate is a small perturbation around
-  that amplitude; with short convs, each head's v conv holds the teacher's local attention profile (mean p_{t,t-j}
-  over the conv's offsets), the part of the pattern a RoPE-free recurrence cannot express; with SiLU on v and the
-  per-head norm (Qwen3.5's layer), v_proj is pre-scaled so that SiLU works where it is nearly linear.
-Baselines: `copy` (weight copy, library-default dynamics) and `zero_gate` (g_proj = 0).
+"""Phase 1: analytic calibration of each converted layer's mixer from teacher attention statistics (docs/method.md,
+"Phase 1: calibration"). The methods are the mixer's own (its spec's `calibrators`; GDN's: copy, zero_gate, paper,
+taylor, in model/mixers/gdn/calibrate.py); this module runs one over the converted layers.
 """
 from __future__ import annotations
 
-import math
-
-import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from taylor_calibrate.config import CalibArgs
-from taylor_calibrate.model.gdn import GatedDeltaNet, identity_conv_
 from taylor_calibrate.model.hybrid import converted_heads, make_mixers
-from taylor_calibrate.stats import LayerStats, TeacherStats, head_columns, head_subset
+from taylor_calibrate.model.mixers import spec_for_options
+from taylor_calibrate.stats import TeacherStats, head_columns, head_subset
 
-
-def inv_softplus(y: torch.Tensor) -> torch.Tensor:
-    return y + torch.log(-torch.expm1(-y))
-
-
-def concentration(st: LayerStats, paper: bool = False) -> torch.Tensor:
-    """c_h in [0, 1]: 1 = one-hot attention, 0 = uniform. taylor: 1 - H_t / log n_t with the sink's mass dropped (it
-    does not depend on the layer's other heads); paper: min-max over the layer's heads with the sink counted, as the
-    reference."""
-    if not paper:
-        return st.concentration_abs_nosink.clamp(0, 1)
-    H = st.entropy
-    return 1 - (H - H.min()) / (H.max() - H.min()).clamp_min(1e-3)
-
-
-def distance(st: LayerStats, paper: bool = False) -> torch.Tensor:
-    """d_h, the mean attention distance: taylor drops the sink's mass; paper counts it and floors each query's
-    distance at 0.5, as the reference."""
-    return (st.distance_floored if paper else st.distance_nosink).clamp_min(0.5)
-
-
-def local_band(st: LayerStats) -> torch.Tensor:
-    """(H, BAND) mean attention p_{t,t-j} on the nearest offsets j, the sink's mass dropped."""
-    if st.band_nosink is None:
-        raise ValueError("these statistics have no local attention band (collect them with taylor_calibrate.stats)")
-    return st.band_nosink.float().nan_to_num(0.0)
-
-
-def _readout_unit(mixer: GatedDeltaNet, x: torch.Tensor, norm: bool) -> torch.Tensor:
-    """Student head outputs with a unit gate: the recurrence's readout (after o_norm when `norm`)."""
-    o = mixer.readout(*mixer.features(x))
-    return mixer.o_norm(o) if norm and mixer.o_norm is not None else o  # (B, T, H, D)
-
-
-def _sigma(mixer, x, y, norm: bool, gated: bool = False) -> torch.Tensor:
-    """Per-head least squares factor sigma_h = <y_h, yhat_h> / <yhat_h, yhat_h> (docs/method.md, "Phase 1:
-    calibration"); yhat through the layer's current gate when `gated`, else at unit gate."""
-    yhat = (mixer.gate(x, mixer.readout(*mixer.features(x))) if gated else _readout_unit(mixer, x, norm)).float()
-    y = y.float().view_as(yhat)
-    return (y * yhat).sum((0, 1, 3)) / (yhat * yhat).sum((0, 1, 3)).clamp_min(1e-12)
-
-
-def constant_direction(xf: torch.Tensor, ridge: float = 1e-3, anchor: torch.Tensor | None = None) -> torch.Tensor:
-    """d with mean_t x_t.d = 1 and the least variance of x_t.d over tokens: d = S^-1 mu / (mu' S^-1 mu), S the input
-    covariance (ridge-regularised). fla's layer has no biases on a_proj/b_proj/g_proj; this direction lets a weight row
-    act like one, so a calibrated gate level is (nearly) the same for every token. `anchor` (hidden,): an input that
-    must give exactly 1 as well (d = S^-1 M (M' S^-1 M)^-1 1 with M = [mu, anchor])."""
-    mu = xf.mean(0)
-    cov = torch.cov(xf.T) if xf.shape[0] > 1 else torch.zeros(xf.shape[1], xf.shape[1], device=xf.device)
-    cov = cov + ridge * cov.diagonal().mean().clamp_min(1e-12) * torch.eye(cov.shape[0], device=xf.device)
-    m = mu[:, None] if anchor is None else torch.stack([mu, anchor.float()], 1)
-    sm = torch.linalg.solve(cov, m)
-    return sm @ torch.linalg.solve(m.T @ sm, torch.ones(m.shape[1], device=xf.device))
-
-
-def _solve_mean_sigmoid(z: torch.Tensor, u: torch.Tensor, target: float, iters: int = 60) -> float:
-    """delta such that mean(sigmoid(z + delta * u)) = target (bisection; u has mean 1)."""
-    lo, hi = -60.0, 60.0
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        if torch.sigmoid(z + mid * u).mean().item() < target:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def _swish_inverse(a: torch.Tensor) -> torch.Tensor:
-    """z >= 0 with z * sigmoid(z) = a (a >= 0), by Newton from a good start."""
-    z = torch.where(a > 1, a, torch.sqrt(2 * a) + a / 2)  # swish(z) ~ z/2 + z^2/4 near 0
-    for _ in range(30):
-        s = torch.sigmoid(z)
-        f, df = z * s - a, s + z * s * (1 - s)
-        z = (z - f / df).clamp_min(0)
-    return z
-
-
-def _beta_star(st: LayerStats, args: CalibArgs, paper: bool, device) -> torch.Tensor:
-    """Target write gate per head: beta*_h = beta_min + beta_span * c_h."""
-    return args.beta_min + args.beta_span * concentration(st, paper).to(device)
-
-
-def _set_decay(mixer: GatedDeltaNet, rate: torch.Tensor) -> None:
-    """Decay rate per head: softplus(dt_bias) = rate with A_log = 0 (rate ln 2 / d_h: memory halves after d_h
-    tokens)."""
-    mixer.A_log.zero_()
-    mixer.dt_bias.copy_(inv_softplus(rate.float()))
-
-
-@torch.no_grad()
-def calibrate_paper(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: torch.Tensor, args: CalibArgs) -> dict:
-    """The reference implementation's phase 1, quirks included (docs/method.md, "Phase 1: calibration", "paper"):
-    sink counted, min-max concentration, rate clamped, a_proj left random, the write gate's spread set instead of its
-    mean, sigma_h multiplied into v_proj (where o_norm cancels it), g_proj = alpha * v_proj. x: (N, T, hidden)
-    teacher inputs, y: (N, T, H*D) teacher head outputs (calibration rows, on the mixer's device)."""
-    p = next(mixer.parameters())
-    rep: dict = {}
-    if mixer.cfg.short_conv != "none":  # the reference has no conv: identity convs compute its layer
-        for conv in (mixer.q_conv1d, mixer.k_conv1d, mixer.v_conv1d):
-            identity_conv_(conv)
-    if args.decay:
-        d = distance(st, paper=True).to(p.device)
-        _set_decay(mixer, (math.log(2) / d).clamp(1e-3, 5))
-        rep["half_life"] = d.tolist()
-    if args.write_gate:  # sets the logits' spread, not their mean
-        beta_star = _beta_star(st, args, True, p.device)
-        logit = torch.log(beta_star / (1 - beta_star))
-        w = mixer.b_proj.weight  # (H, hidden)
-        w.copy_((logit / math.sqrt(w.shape[1]))[:, None] * w / w.abs().mean(1, keepdim=True).clamp_min(1e-12))
-        rep["beta_star"] = beta_star.tolist()
-    rows = slice(0, args.sigma_rows)
-    if args.value_scale:  # multiplied into v_proj rows, where o_norm then cancels it
-        sigma = _sigma(mixer, x[rows], y[rows], norm=False).clamp(0.1, 10)
-        scale = sigma.repeat_interleave(mixer.head_dim)
-        mixer.v_proj.weight.mul_(scale[:, None].to(p.dtype))
-        if mixer.v_proj.bias is not None:
-            mixer.v_proj.bias.mul_(scale.to(p.dtype))
-        rep["sigma"] = sigma.tolist()
-    if args.output_gate and mixer.g_proj is not None:
-        v = mixer.v_proj(x[rows]).float()
-        alpha = args.gate_alpha * st.head_rms.mean().item() / F.silu(v).pow(2).mean().sqrt().clamp_min(1e-12).item()
-        mixer.g_proj.weight.copy_(alpha * mixer.v_proj.weight)
-        rep["gate_alpha"] = alpha
-    return rep
-
-
-@torch.no_grad()
-def calibrate_taylor(mixer: GatedDeltaNet, st: LayerStats, x: torch.Tensor, y: torch.Tensor, args: CalibArgs) -> dict:
-    """Our phase 1: every calibrated quantity takes effect at step 0 (docs/method.md, "Phase 1: calibration",
-    "taylor"). x: (N, T, hidden) teacher inputs, y: (N, T, H*D) teacher head outputs (calibration rows, on the
-    mixer's device)."""
-    H, D = mixer.num_heads, mixer.head_dim
-    p = next(mixer.parameters())
-    rep: dict = {}
-    xf = x.float().reshape(-1, x.shape[-1])
-    dvec = constant_direction(xf)  # x_t . dvec has mean 1 and the least spread over tokens: a stand-in for a bias
-    u = xf @ dvec  # (tokens,)
-    fan_in = mixer.b_proj.weight.shape[1]
-
-    if args.local_profile and mixer.cfg.short_conv != "none":
-        rep["local_profile"] = _set_local_profile(mixer, st).tolist()
-
-    if args.decay:  # a_proj = 0: the half-life is exactly d_h for every token
-        d = distance(st).to(p.device)
-        _set_decay(mixer, math.log(2) / d)
-        mixer.a_proj.weight.zero_()
-        rep["half_life"] = d.tolist()
-
-    if args.write_gate:  # shift along the mean input direction until mean_t sigmoid(logit_t) = beta*_h exactly
-        beta_star = _beta_star(st, args, False, p.device)
-        w = mixer.b_proj.weight  # (H, hidden)
-        z = xf @ w.float().T  # (tokens, H)
-        for h in range(H):
-            delta = _solve_mean_sigmoid(z[:, h], u, beta_star[h].item())
-            w[h] += (delta * dvec).to(w.dtype)
-        rep["beta_star"] = beta_star.tolist()
-
-    # after the dynamics (it measures the readout they shape), before the amplitude (which must see it)
-    if args.v_prescale and mixer.cfg.v_activation == "silu" and mixer.o_norm is not None:
-        s, err = prescale_v(mixer, x[:args.sigma_rows])
-        rep["v_prescale"], rep["v_prescale_error"] = s.tolist(), err.tolist()
-
-    # Amplitude takes effect. With the output gate calibrated, |sigma_h| becomes the gate's mean value and the sign
-    # goes into o_proj's head-h columns; without a gate, or with `output_gate` off (g_proj keeps its library init),
-    # all of sigma_h goes into those columns, measured through whatever gate is there (exact: o_proj is linear).
-    rows = slice(0, args.sigma_rows)
-    if args.value_scale or args.output_gate:
-        has_gate = mixer.g_proj is not None and args.output_gate
-        if has_gate:  # provisional gate (perturbation only) so that yhat is measured at unit scale
-            mixer.g_proj.weight.zero_()
-        sigma = (_sigma(mixer, x[rows], y[rows], norm=True, gated=not has_gate) if args.value_scale
-                 else torch.ones(H, device=p.device))
-        amp, sign = sigma.abs().clamp_min(1e-3), torch.where(sigma < 0, -1.0, 1.0)
-        scale_cols = sign if has_gate else sign * amp
-        if has_gate and mixer.cfg.gate == "sigmoid":  # sigmoid can only give (0, 1): centre it at 0.5, rest to o_proj
-            scale_cols, z = sign * amp / 0.5, torch.zeros(H, device=p.device)
-        elif has_gate:
-            z = _swish_inverse(amp)
-        mixer.o_proj.weight.mul_(scale_cols.repeat_interleave(D)[None, :].to(p.dtype))
-        if has_gate:
-            g = mixer.g_proj.weight  # (H*D, hidden): constant-direction component giving gate(z_h) + perturbation
-            noise = torch.randn(g.shape, generator=torch.Generator().manual_seed(mixer.layer_idx)).to(g)
-            rms_in = xf.pow(2).mean().sqrt()
-            zrow = z.repeat_interleave(D)[:, None]  # perturbation relative to each head's own gate level
-            g.copy_(noise * (args.gate_alpha * zrow.clamp_min(1e-2) / (rms_in * math.sqrt(fan_in))))
-            g += (zrow * dvec[None, :]).to(g.dtype)
-        rep["sigma"] = sigma.tolist()
-    return rep
-
-
-def _conv_v(mixer: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
-    """v after the short conv, before its activation: (B, T, H, D)."""
-    B, T, _ = x.shape
-    v = mixer.v_proj(x)
-    if mixer.cfg.short_conv != "none":
-        v = mixer._short_conv(v, v, v, None)[2]
-    return v.view(B, T, mixer.num_heads, mixer.head_dim)
-
-
-@torch.no_grad()
-def prescale_v(mixer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SiLU on v, per-head norm after the readout: scale head h's v_proj rows by s_h so that SiLU works
-    where it is nearly linear, SiLU(z) = z/2 + z^2/4 + O(z^4), and the layer computes what it would with linear v
-    (docs/method.md, "taylor", "v pre-scale"). The norm makes the layer blind to the scale of v up to its epsilon,
-    so s_h trades the quadratic term (relative size (c/2) rho2/rho at c = s_h rms(u)) against the epsilon
-    (eps / (2 ms(readout)) = 2 eps / (c rho)^2); the sum is least at c = 2 (eps / (rho rho2))^(1/3). u is the conv'd
-    v, rho = rms R(u) / rms u and rho2 = rms R(u^2) / ms u with R the recurrence's readout, measured on x.
-    Exact in the decode path too: v_proj is linear and comes before the conv. Returns s and the predicted relative
-    error of each head's normed readout against linear v's (the sum of both terms at that c), each (H,)."""
-    q, k, _, g, beta = mixer.features(x)
-    u = _conv_v(mixer, x).float()
-    r = u.pow(2).mean((0, 1, 3)).sqrt().clamp_min(1e-12)
-
-    def rms_readout(v):
-        return mixer.readout(q, k, v.to(q.dtype), g, beta).float().pow(2).mean((0, 1, 3)).sqrt()
-
-    rho, rho2 = rms_readout(u) / r, rms_readout(u * u) / r ** 2
-    c = 2 * (mixer.cfg.norm_eps / (rho * rho2).clamp_min(1e-30)) ** (1 / 3)
-    s, err = c / r, 0.75 * c * rho2 / rho
-    rows = s.repeat_interleave(mixer.head_dim).to(mixer.v_proj.weight.dtype)
-    mixer.v_proj.weight.mul_(rows[:, None])
-    if mixer.v_proj.bias is not None:
-        mixer.v_proj.bias.mul_(rows)
-    return s, err
-
-
-def _set_local_profile(mixer: GatedDeltaNet, st: LayerStats) -> torch.Tensor:
-    """v conv of head h <- the teacher's mean attention p_{t,t-j} over offsets j < K, renormalised (conv weight
-    index K-1-j multiplies x_{t-j}); q / k convs <- identity. Returns the (H, K) kernel."""
-    K, D = mixer.cfg.conv_size, mixer.head_dim
-    band = local_band(st)
-    if band.shape[1] < K:
-        raise ValueError(f"the local profile needs the teacher's attention over {K} offsets; these statistics have "
-                         f"{band.shape[1]}")
-    prof = band[:, :K].clamp_min(0)
-    total = prof.sum(1, keepdim=True)
-    identity = torch.zeros_like(prof)
-    identity[:, 0] = 1.0
-    prof = torch.where(total > 1e-6, prof / total.clamp_min(1e-6), identity)  # no local mass: identity kernel
-    w = mixer.v_conv1d.weight  # (H*D, 1, K)
-    w.copy_(prof.flip(1).repeat_interleave(D, dim=0)[:, None, :].to(w))
-    for conv in (mixer.q_conv1d, mixer.k_conv1d):
-        identity_conv_(conv)
-    return prof
-
-
-def _copy(mixer: GatedDeltaNet, st, x, y, args) -> dict:
-    """Weight copy only: the library-default dynamics stay."""
-    return {}
-
-
-@torch.no_grad()
-def _zero_gate(mixer: GatedDeltaNet, st, x, y, args) -> dict:
-    """Weight copy with g_proj = 0 (the reference's "zero gate" ablation row)."""
-    if mixer.g_proj is None:
-        raise ValueError("init zero_gate needs an output gate (gdn.gate != 'none')")
-    mixer.g_proj.weight.zero_()
-    return {}
-
-
-CALIBRATE = {"copy": _copy, "zero_gate": _zero_gate, "paper": calibrate_paper, "taylor": calibrate_taylor}
-"""Phase 1 by method: f(mixer, layer stats, inputs, head outputs, CalibArgs) -> report, the mixer set in place."""
-METHODS = tuple(CALIBRATE)
-
-
-def calibrated_mixers(teacher, stats: TeacherStats | None, layers, init: str, calib: CalibArgs, gdn, backend: str,
+def calibrated_mixers(teacher, stats: TeacherStats | None, layers, init: str, calib: CalibArgs, options, backend: str,
                       seed: int = 0, kept_groups: dict[int, list[int]] | None = None):
-    """Copy-only mixers for `layers` (head-wise where `kept_groups` keeps some KV groups: the mixer holds the other
-    heads, calibrated from their own statistics), then phase 1 with method `init`."""
-    if init not in CALIBRATE:
-        raise ValueError(f"calibration method {init!r} is not one of {METHODS}")
-    mixers = make_mixers(teacher, layers, gdn, seed, kept_groups)
+    """Copy-only mixers for `layers` (of the mixer whose options dataclass `options` is; head-wise where
+    `kept_groups` keeps some KV groups: the mixer holds the other heads, calibrated from their own statistics), then
+    phase 1 with the mixer's calibrator `init`."""
+    calibrators = spec_for_options(options).calibrators
+    if init not in calibrators:
+        raise ValueError(f"calibration method {init!r} is not one of {tuple(calibrators)} for this mixer")
+    mixers = make_mixers(teacher, layers, options, seed, kept_groups)
     for m in mixers.values():
         m.backend = backend
     report = {}
     if init != "copy":
         for i, m in tqdm(mixers.items(), desc=f"phase 1 ({init})", leave=False):
             rows = slice(0, calib.fit_rows)
-            x, y = stats.inputs[i][rows].to(m.A_log.device), stats.head_outputs[i][rows].to(m.A_log.device)
+            device = next(m.parameters()).device
+            x, y = stats.inputs[i][rows].to(device), stats.head_outputs[i][rows].to(device)
             st, kept = stats.layers[i], (kept_groups or {}).get(i)
             if kept:
                 st = head_subset(st, converted_heads(teacher.config, kept))
                 y = y[..., head_columns(teacher.config, kept).to(y.device)]
-            report[i] = CALIBRATE[init](m, st, x, y, calib)
+            report[i] = calibrators[init](m, st, x, y, calib)
     return mixers, report

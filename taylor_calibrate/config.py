@@ -1,4 +1,4 @@
-"""Configs: the GDN mixer's options, the hybrid model's HF config, and the CLI's argument dataclasses.
+"""The CLI's argument dataclasses (the mixers' options live with each mixer, the hybrid's HF config with the model).
 
 Everything a user can set is a field of a dataclass here; the CLI (jsonargparse) and YAML files both fill
 them, and the field docstrings become `--help`.
@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
-from transformers import PreTrainedConfig
 
+from taylor_calibrate.model.mixers.gdn.config import GDNConfig
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -25,114 +25,6 @@ NIAH_NEW_TOKENS = 64
 before it answers needs more than a handful (docs/decisions.md, "NIAH reply budget")."""
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
-
-ATTENTION_TYPES = ("full_attention", "sliding_attention")
-GDN_TYPE = "linear_attention"  # transformers' cache name for a recurrent-state layer
-# transformers' cache names for a layer that holds both: a KV cache (of the kept heads) and a recurrent state
-HEADWISE_TYPES = {"full_attention": "hybrid", "sliding_attention": "hybrid_sliding"}
-
-
-@dataclass
-class GDNConfig:
-    """Options of a converted Gated DeltaNet layer (docs/method.md, "The GDN layer").
-
-    Head count and head dim are not options: they are the teacher's (num_heads = query heads, expand_v = 1).
-    """
-
-    short_conv: str = "random"
-    """Short causal depthwise conv on q/k/v (fla's `use_short_conv`, on by default there) and its library init, which
-    the `copy` / `zero_gate` baselines keep: "random" (fla's: nn.Conv1d's default), "identity", or "none" (no conv:
-    SiLU on q/k/v, as the reference). `taylor` sets the convs itself (v: the teacher's local attention profile, q/k:
-    identity; --calib.local_profile), `paper` to identity (the reference's conv-free layer at step 0). The convs carry
-    the local part of the attention pattern that a RoPE-free recurrence cannot (docs/decisions.md, "short conv")."""
-    conv_size: int = 4
-    """Kernel size of the short convolution."""
-    qk_activation: str = "silu"
-    """Activation on q and k before L2 normalisation: "silu" (fla) or "identity"."""
-    v_activation: str = "identity"
-    """Activation on v: "identity" (keeps the copied values linear, as attention mixes them; docs/decisions.md,
-    "v activation") or "silu" (fla's layer)."""
-    output_norm: bool = True
-    """Per-head RMSNorm on the recurrent readout before the gate (fla's o_norm)."""
-    gate: str = "swish"
-    """Output gate form: "swish" (fla), "sigmoid", or "none" (no g_proj)."""
-    norm_eps: float = 1e-5
-    """Epsilon of the per-head RMSNorm."""
-    bias: bool = True
-    """Carry the teacher's q/k/v/o projection biases (Qwen2's q/k/v) into the GDN layer; `--target qwen3_5` turns
-    this off (Qwen3.5's GDN has no biases)."""
-
-    def __post_init__(self):
-        choices = {"short_conv": ("none", "identity", "random"), "qk_activation": ("silu", "identity"),
-                   "v_activation": ("silu", "identity"), "gate": ("swish", "sigmoid", "none")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"GDN option {name}={getattr(self, name)!r} is not one of {allowed}")
-        if not 2 <= self.conv_size <= 16:
-            raise ValueError(f"GDN option conv_size={self.conv_size} must be in [2, 16]")
-        if not self.norm_eps > 0:
-            raise ValueError(f"GDN option norm_eps={self.norm_eps} must be > 0 (e.g. 1e-5)")
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> "GDNConfig":
-        d = dict(d or {})
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown GDN option(s) {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**d)
-
-
-# Attributes of the teacher config that generation, masking and caching read from the top-level config.
-_MIRRORED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "head_dim", "max_position_embeddings", "sliding_window", "rms_norm_eps", "bos_token_id",
-             "eos_token_id", "pad_token_id", "final_logit_softcapping")
-
-
-class HybridConfig(PreTrainedConfig):
-    """HF config of a hybrid: the teacher's own config plus which layers are GDN.
-
-    `layer_types` uses transformers' names ("full_attention", "sliding_attention", "linear_attention"), so
-    `DynamicCache(config=...)` builds KV layers for kept attention and recurrent-state layers for GDN.
-    """
-
-    model_type = "taylor_hybrid"
-
-    base_config: dict | None = None
-    layer_types: list[str] | None = None
-    attention_heads: dict | None = None
-    """Head-wise layers ("hybrid" / "hybrid_sliding" in layer_types): {str(layer): [KV groups kept as attention]};
-    the query heads of every other group of that layer are GDN heads."""
-    gdn: dict | None = None
-    teacher_name: str | None = None
-    use_cache: bool = True
-
-    def __post_init__(self, **kwargs):
-        base = self.base_config or {}
-        for key in _MIRRORED:
-            if key in base:
-                setattr(self, key, base[key])
-        if "tie_word_embeddings" in base:
-            self.tie_word_embeddings = base["tie_word_embeddings"]
-        super().__post_init__(**kwargs)
-
-    @property
-    def gdn_layers(self) -> list[int]:
-        """Layers with GDN heads: converted whole or head-wise."""
-        return [i for i, t in enumerate(self.layer_types or []) if t == GDN_TYPE or t in HEADWISE_TYPES.values()]
-
-    def kept_groups(self, layer: int) -> list[int]:
-        """KV groups of `layer` kept as softmax attention ([] for a GDN layer)."""
-        return list((self.attention_heads or {}).get(str(layer), []))
-
-    @property
-    def gdn_config(self) -> GDNConfig:
-        return GDNConfig.from_dict(self.gdn)
-
-
-def gdn_dict(cfg: GDNConfig) -> dict:
-    return asdict(cfg)
-
 
 SCHEDULES = ("wsd", "constant")
 

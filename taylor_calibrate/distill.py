@@ -41,11 +41,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from taylor_calibrate.config import GDN_TYPE, DistillArgs, TrainArgs, apply_profile, apply_train_profile
+from taylor_calibrate.config import DistillArgs, TrainArgs, apply_profile, apply_train_profile
 from taylor_calibrate.checks import check_context, check_out
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
+from taylor_calibrate.model.hybrid_config import MIXER_TYPE
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.stats import FarMass, observing
@@ -102,7 +103,7 @@ def trainable_names(student, mode: str) -> list[str]:
     names = [n for n, _ in student.named_parameters()]
     if mode == "all":
         return names
-    headwise = set(student.config.gdn_layers) - {i for i, t in enumerate(student.config.layer_types) if t == GDN_TYPE}
+    headwise = set(student.config.gdn_layers) - {i for i, t in enumerate(student.config.layer_types) if t == MIXER_TYPE}
     prefixes = tuple(f"model.layers.{i}.self_attn." + ("gdn." if mode == "gdn" and i in headwise else "")
                      for i in student.config.gdn_layers)
     if not prefixes:

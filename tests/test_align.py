@@ -222,7 +222,7 @@ def test_stacked_layers_train_as_if_alone(teacher_data, monkeypatch):
 
     teacher, inputs, targets = teacher_data
     calls = {"n": 0}
-    impls = dict(ops._IMPLS)
+    impls = dict(ops.GDN_KERNELS)
 
     def counted(fn):
         def wrapper(*a, **k):
@@ -230,7 +230,7 @@ def test_stacked_layers_train_as_if_alone(teacher_data, monkeypatch):
             return fn(*a, **k)
         return wrapper
 
-    monkeypatch.setattr(ops, "_IMPLS", {key: counted(fn) for key, fn in impls.items()})
+    monkeypatch.setattr(ops, "GDN_KERNELS", {key: counted(fn) for key, fn in impls.items()})
     states, counts = {}, {}
     for group in (None, 1, "alone"):
         calls["n"] = 0

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from conftest import decoded_logits, one_thread, tiny_teacher
 
-from taylor_calibrate.calibrate import calibrate_paper, calibrate_taylor, concentration, distance, inv_softplus
+from taylor_calibrate.model.mixers.calibration import concentration, distance, inv_softplus
+from taylor_calibrate.model.mixers.gdn.calibrate import calibrate_paper, calibrate_taylor
 from taylor_calibrate.config import CalibArgs, GDNConfig
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.model.hybrid import convert_teacher, make_mixers

@@ -233,7 +233,7 @@ def test_start_qk_norm_keeps_the_teachers_q_and_k_but_one_pair(arch):
     factor's spread over tokens and heads is the constant's: that of x.d (plus 1/256 from b's size), only the latter
     where the teacher has a bias (Qwen2), so attention keeps its temperature and pattern. The pair's logit term is 0
     (q norm weight 0 there)."""
-    from taylor_calibrate.calibrate import constant_direction
+    from taylor_calibrate.model.mixers.calibration import constant_direction
     from taylor_calibrate.export.qwen3_5 import start_qk_norm
 
     teacher_attn, attn, rotary, x = _kept_attention(arch)

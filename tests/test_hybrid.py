@@ -5,7 +5,7 @@ from conftest import ARCHS, decoded_logits, tiny_teacher
 from transformers import AutoModelForCausalLM
 
 from taylor_calibrate import GDNConfig, HybridForCausalLM, convert_teacher
-from taylor_calibrate.model.gdn import GatedDeltaNet
+from taylor_calibrate.model.mixers.gdn import GatedDeltaNet
 
 VOCAB = 97
 
@@ -142,3 +142,38 @@ def test_static_cache_generate_equals_dynamic(arch, single_thread):
         static = hybrid.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                  cache_implementation="static")
     assert torch.equal(dynamic, static)
+
+
+@pytest.mark.parametrize("short_conv", ["random", "none"])
+def test_state_bytes_are_what_the_cache_holds(short_conv):
+    """The spec's state size (memory accounting) equals the recurrent + conv state the cache keeps per sequence."""
+    hybrid = convert_teacher(tiny_teacher("qwen2"), [1, 3], GDNConfig(short_conv=short_conv), kept_groups={3: [1]})
+    with torch.no_grad():
+        cache = hybrid(_ids(b=1, t=9), use_cache=True).cache
+    held = {i: sum(t.numel() * t.element_size() for states in (cache.layers[i].conv_states,
+                                                                cache.layers[i].recurrent_states)
+                   for t in states.values() if t is not None) for i in (1, 3)}
+    assert hybrid.state_bytes() == held and held[1] > held[3] > 0
+
+
+def test_a_checkpoint_without_the_mixer_key_loads_as_gdn(tmp_path):
+    """Checkpoints written before the config named its mixer (a `gdn` block only) load as GDN, unchanged."""
+    import json
+
+    hybrid = convert_teacher(tiny_teacher("llama"), [1, 2], GDNConfig(short_conv="identity"))
+    hybrid.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg.pop("mixer") == "gdn" and cfg["gdn"]["short_conv"] == "identity"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=hybrid.config._attn_implementation)
+    assert loaded.config.mixer == "gdn" and isinstance(loaded.gdn_mixers[1], GatedDeltaNet)
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, hybrid(ids).logits)
+
+
+def test_unknown_mixer_in_a_config_is_named(tmp_path):
+    hybrid = convert_teacher(tiny_teacher("llama"), [1], GDNConfig())
+    hybrid.config.mixer = "mamba9"
+    with pytest.raises(ValueError, match="unknown mixer 'mamba9'; known: gdn"):
+        HybridForCausalLM(hybrid.config)

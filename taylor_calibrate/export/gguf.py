@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from taylor_calibrate.config import GDN_TYPE
+from taylor_calibrate.model.hybrid_config import MIXER_TYPE
 from taylor_calibrate.export.qwen3_5 import _load_hybrid_files, qwen3_5_config, qwen3_5_state_dict
 
 log = logging.getLogger("taylor_calibrate")
@@ -119,7 +119,7 @@ def export_gguf(model_dir: str | Path, out_dir: str | Path) -> Path:
         writer.add_ssm_group_count(config["linear_num_key_heads"])
         writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
         writer.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
-        writer.add_array(f"{ARCH}.attention.recurrent_layers", [t == GDN_TYPE for t in cfg.layer_types])
+        writer.add_array(f"{ARCH}.attention.recurrent_layers", [t == MIXER_TYPE for t in cfg.layer_types])
         if "full_attention_interval" in config:
             writer.add_full_attention_interval(config["full_attention_interval"])
         writer.add_file_type(gguf.LlamaFileType.ALL_F32)

@@ -3,22 +3,17 @@
 Qwen3.5 is a GDN + gated-attention hybrid that transformers, vLLM, SGLang and llama.cpp (`qwen35`) already run, so an
 exported hybrid is served without our package. The map is exact when every piece of ours has a Qwen3.5 counterpart:
 
-    GDN layer (fla names)              Qwen3.5 `linear_attn`
-    q_proj | k_proj | v_proj       ->  in_proj_qkv (rows concatenated)
-    q_conv1d | k_conv1d | v_conv1d ->  conv1d, SiLU after it on q|k|v (no conv: the identity kernel)
-    g_proj, b_proj, a_proj         ->  in_proj_z, in_proj_b, in_proj_a
-    A_log, dt_bias                 ->  A_log, dt_bias
-    o_norm (weight w)              ->  norm (gated RMSNorm, SiLU gate, weight w)
-    o_proj                         ->  out_proj
+    linear mixer                       Qwen3.5 `linear_attn`: the mixer's own map (its spec's "qwen3_5" export;
+                                       GDN's in model/mixers/gdn/export.py)
 
     kept attention                     Qwen3.5 `self_attn` (output multiplied by sigmoid(gate rows of q_proj))
     q_proj                         ->  q_proj, per head [query rows | zero gate rows]: sigmoid(0) = 1/2
     o_proj                         ->  o_proj x 2 (undoes the 1/2 exactly)
     q_norm, k_norm                 ->  q_norm, k_norm stored as w - 1 (every Qwen3.5 RMSNorm computes (1 + w))
 
-Our GDN must then use SiLU on q, k and v, a swish output gate after the per-head norm, no q/k/v bias, and the model's
-RMSNorm epsilon; the kept attention needs per-head q/k RMSNorm (a Qwen3 teacher, or `convert --target qwen3_5`), full
-rotary (partial_rotary_factor 1.0), no sliding window, a SiLU MLP without bias. `check_exportable` names what is not.
+The mixer must take the options Qwen3.5's layer fixes (its export's `problems` names what it lacks); the kept
+attention needs per-head q/k RMSNorm (a Qwen3 teacher, or `convert --target qwen3_5`), full rotary
+(partial_rotary_factor 1.0), no sliding window, a SiLU MLP without bias. `check_exportable` names what is not.
 """
 from __future__ import annotations
 
@@ -33,9 +28,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from taylor_calibrate.calibrate import constant_direction
-from taylor_calibrate.config import GDN_TYPE, HybridConfig
 from taylor_calibrate.checkpoint import check_safetensors, check_state
+from taylor_calibrate.model.hybrid_config import MIXER_TYPE, HybridConfig
+from taylor_calibrate.model.mixers import get_spec, spec_for_options
+from taylor_calibrate.model.mixers.calibration import constant_direction
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -66,21 +62,6 @@ ATTENTION_MAP = {
     "model.layers.{l}.self_attn.q_norm.weight": ("model.layers.{l}.self_attn.q_norm.weight", "one_centered"),
     "model.layers.{l}.self_attn.k_norm.weight": ("model.layers.{l}.self_attn.k_norm.weight", "one_centered"),
 }
-GDN_MAP = {
-    ("model.layers.{l}.self_attn.q_proj.weight", "model.layers.{l}.self_attn.k_proj.weight",
-     "model.layers.{l}.self_attn.v_proj.weight"): ("model.layers.{l}.linear_attn.in_proj_qkv.weight", None),
-    ("model.layers.{l}.self_attn.q_conv1d.weight", "model.layers.{l}.self_attn.k_conv1d.weight",
-     "model.layers.{l}.self_attn.v_conv1d.weight"): ("model.layers.{l}.linear_attn.conv1d.weight", None),
-    "model.layers.{l}.self_attn.g_proj.weight": ("model.layers.{l}.linear_attn.in_proj_z.weight", None),
-    "model.layers.{l}.self_attn.b_proj.weight": ("model.layers.{l}.linear_attn.in_proj_b.weight", None),
-    "model.layers.{l}.self_attn.a_proj.weight": ("model.layers.{l}.linear_attn.in_proj_a.weight", None),
-    "model.layers.{l}.self_attn.A_log": ("model.layers.{l}.linear_attn.A_log", None),
-    "model.layers.{l}.self_attn.dt_bias": ("model.layers.{l}.linear_attn.dt_bias", None),
-    "model.layers.{l}.self_attn.o_norm.weight": ("model.layers.{l}.linear_attn.norm.weight", None),
-    "model.layers.{l}.self_attn.o_proj.weight": ("model.layers.{l}.linear_attn.out_proj.weight", None),
-}
-
-
 def _zero_gate_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     """(H*D, ...) -> (H*2D, ...): each head's query rows followed by D zero rows, the output gate's pre-activation
     (Qwen3.5 splits q_proj's output per head into [query | gate])."""
@@ -101,7 +82,7 @@ def _head_dim(base: dict) -> int:
 
 def check_exportable(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> None:
     """Raise ValueError naming every option of `cfg` that Qwen3.5 cannot express exactly, and the fix."""
-    base, gdn = cfg.base_config, cfg.gdn_config
+    base = cfg.base_config
     problems = []
     arch = base["model_type"]
     fix = "convert the teacher with `--target qwen3_5`"
@@ -116,7 +97,7 @@ def check_exportable(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> None:
         problems.append("mlp_bias=True: Qwen3.5's MLP has no bias")
     if base.get("final_logit_softcapping"):
         problems.append("final_logit_softcapping: Qwen3.5 has no logit softcap")
-    kept = [i for i, t in enumerate(cfg.layer_types) if t != GDN_TYPE]
+    kept = [i for i, t in enumerate(cfg.layer_types) if t != MIXER_TYPE]
     sliding = [i for i in kept if cfg.layer_types[i] == "sliding_attention"]
     if arch == "mistral" and base.get("sliding_window") is not None:
         sliding = kept
@@ -127,19 +108,12 @@ def check_exportable(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> None:
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         problems.append(f"partial_rotary_factor={rope['partial_rotary_factor']}")
     if cfg.gdn_layers:
-        wrong = {"qk_activation": "silu", "v_activation": "silu", "gate": "swish", "output_norm": True}
-        for name, need in wrong.items():
-            if getattr(gdn, name) != need:
-                problems.append(f"--gdn.{name}={getattr(gdn, name)!r}: Qwen3.5's GDN needs {need!r} ({fix}, which "
-                                "sets it)")
-        if not math.isclose(gdn.norm_eps, base["rms_norm_eps"], rel_tol=1e-6):
-            problems.append(f"--gdn.norm_eps={gdn.norm_eps} differs from the teacher's rms_norm_eps "
-                            f"{base['rms_norm_eps']}, which Qwen3.5 uses for the GDN norm too ({fix}, which sets it)")
-        biased = [i for i in cfg.gdn_layers if any(f"model.layers.{i}.self_attn.{p}_proj.bias" in state
-                                                   for p in ("q", "k", "v", "o"))]
-        if biased:
-            problems.append(f"GDN layers {biased} have q/k/v/o biases (a Qwen2 teacher's); Qwen3.5's GDN has none "
-                            f"({fix}, which builds them without)")
+        spec = get_spec(cfg.mixer)
+        if "qwen3_5" not in spec.exports:
+            problems.append(f"its {cfg.mixer} layers have no Qwen3.5 form (Qwen3.5's linear layer is GDN)")
+        else:
+            problems += spec.exports["qwen3_5"]["problems"](spec.options(cfg.mixer_options), base, state,
+                                                            cfg.gdn_layers, fix)
     if problems:
         raise ValueError("this hybrid cannot be exported exactly to qwen3_5:\n  - " + "\n  - ".join(problems))
 
@@ -156,7 +130,7 @@ def full_attention_interval(layer_types: list[str]) -> int | None:
     """k when the full-attention layers are exactly layers k-1, 2k-1, ... (Qwen3.5's own pattern), else None."""
     n = len(layer_types)
     for k in range(1, n + 1):
-        if all((t != GDN_TYPE) == ((i + 1) % k == 0) for i, t in enumerate(layer_types)):
+        if all((t != MIXER_TYPE) == ((i + 1) % k == 0) for i, t in enumerate(layer_types)):
             return k
     return None
 
@@ -164,11 +138,11 @@ def full_attention_interval(layer_types: list[str]) -> int | None:
 def qwen3_5_config(cfg: HybridConfig, dtype: torch.dtype) -> dict:
     """The config.json of the exported model: Qwen3.5's fields, the layer pattern as `layer_types` and, when it is
     periodic, as the equivalent `full_attention_interval` (some engines read only that)."""
-    base, gdn = cfg.base_config, cfg.gdn_config
+    base, spec = cfg.base_config, get_spec(cfg.mixer)
     D = _head_dim(base)
     rope = dict(base.get("rope_parameters") or {"rope_type": "default", "rope_theta": base.get("rope_theta", 10000.0)})
     rope.update(partial_rotary_factor=1.0, mrope_section=mrope_section(D), mrope_interleaved=True)
-    types = ["linear_attention" if t == GDN_TYPE else "full_attention" for t in cfg.layer_types]
+    types = ["linear_attention" if t == MIXER_TYPE else "full_attention" for t in cfg.layer_types]
     out = {
         "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",
@@ -190,7 +164,7 @@ def qwen3_5_config(cfg: HybridConfig, dtype: torch.dtype) -> dict:
         "rope_parameters": rope,
         "rope_theta": rope["rope_theta"],
         "partial_rotary_factor": 1.0,
-        "linear_conv_kernel_dim": gdn.conv_size,
+        **spec.exports["qwen3_5"]["config"](spec.options(cfg.mixer_options)),
         "linear_key_head_dim": D,
         "linear_value_head_dim": D,
         "linear_num_key_heads": base["num_attention_heads"],
@@ -209,25 +183,22 @@ def qwen3_5_config(cfg: HybridConfig, dtype: torch.dtype) -> dict:
                     "transformers, vLLM and llama.cpp builds that read `layer_types` / recurrent_layers run it; "
                     "SGLang (which builds the pattern from full_attention_interval alone) cannot. For SGLang, "
                     "convert with --policy layers=<k-1, 2k-1, ...> (docs/serving.md)",
-                    [i for i, t in enumerate(cfg.layer_types) if t != GDN_TYPE])
+                    [i for i, t in enumerate(cfg.layer_types) if t != MIXER_TYPE])
     return out
 
 
 def qwen3_5_state_dict(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict -> Qwen3.5's, through WEIGHT_MAP / ATTENTION_MAP / GDN_MAP. Every key of ours is used once."""
+    """Our state dict -> Qwen3.5's, through WEIGHT_MAP / ATTENTION_MAP / the mixer's map (its spec's "qwen3_5"
+    export). Every key of ours is used once."""
     check_exportable(cfg, state)
     D = _head_dim(cfg.base_config)
-    gdn = cfg.gdn_config
+    spec = get_spec(cfg.mixer)
+    mixer_export, options = spec.exports["qwen3_5"], spec.options(cfg.mixer_options)
     state = dict(state)
     if cfg.base_config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
-    for i in cfg.gdn_layers:  # no conv: Qwen3.5 always convolves, so pass the input through (weight 1 on the last tap)
-        if f"model.layers.{i}.self_attn.q_conv1d.weight" not in state:
-            C = state[f"model.layers.{i}.self_attn.q_proj.weight"].shape[0]
-            w = torch.zeros(C, 1, gdn.conv_size, dtype=state[f"model.layers.{i}.self_attn.q_proj.weight"].dtype)
-            w[..., -1] = 1.0
-            for p in "qkv":
-                state[f"model.layers.{i}.self_attn.{p}_conv1d.weight"] = w
+    for i in cfg.gdn_layers:
+        mixer_export["prepare"](options, state, i)
     out, used = {}, set()
 
     def put(src, dst, transform, layer=None):
@@ -243,12 +214,12 @@ def qwen3_5_state_dict(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> dic
         for layer in (range(len(cfg.layer_types)) if "{l}" in src else [None]):
             put(src, dst, tf, layer)
     for layer, t in enumerate(cfg.layer_types):
-        for src, (dst, tf) in (GDN_MAP if t == GDN_TYPE else ATTENTION_MAP).items():
+        for src, (dst, tf) in (mixer_export["weights"] if t == MIXER_TYPE else ATTENTION_MAP).items():
             put(src, dst, tf, layer)
     if cfg.base_config.get("attention_bias"):  # Qwen3.5 gives every attention projection a bias when one has one
         for layer, t in enumerate(cfg.layer_types):
             key = f"model.layers.{layer}.self_attn.o_proj.bias"
-            if t != GDN_TYPE and key not in out:
+            if t != MIXER_TYPE and key not in out:
                 out[key] = torch.zeros(cfg.base_config["hidden_size"], dtype=out[f"model.layers.{layer}.self_attn."
                                                                                   "o_proj.weight"].dtype)
     left = sorted(set(state) - used)
@@ -304,7 +275,7 @@ def export_qwen3_5(model_dir: str | Path, out_dir: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("exported %s -> %s (qwen3_5_text, %d layers: %s)", src, out, len(cfg.layer_types),
-             "".join("G" if t == GDN_TYPE else "A" for t in cfg.layer_types))
+             "".join("G" if t == MIXER_TYPE else "A" for t in cfg.layer_types))
     return out
 
 
@@ -314,8 +285,7 @@ QWEN3_FORM_FROM = ("llama", "qwen2", "mistral", "qwen3")
 
 def target_gdn(gdn, teacher_config):
     """The GDN options `--target qwen3_5` builds (Qwen3.5's layer): returns the changed fields (logged, recorded)."""
-    need = dict(qk_activation="silu", v_activation="silu", gate="swish", output_norm=True, bias=False,
-                norm_eps=teacher_config.rms_norm_eps)
+    need = spec_for_options(gdn).exports["qwen3_5"]["options"](teacher_config)
     changed = {k: (getattr(gdn, k), v) for k, v in need.items() if getattr(gdn, k) != v}
     for k, (_, v) in changed.items():
         setattr(gdn, k, v)

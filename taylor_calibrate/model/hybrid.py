@@ -1,4 +1,5 @@
-"""The hybrid model: the teacher's own modules with chosen attention layers swapped for GDN mixers.
+"""The hybrid model: the teacher's own modules with chosen attention layers swapped for linear mixers (GDN, or any
+mixer registered in model/mixers, named by the config's `mixer`).
 
 `HybridForCausalLM` wraps the teacher architecture's base model (`LlamaModel`, `Qwen3Model`, `Gemma3TextModel`,
 ...) built from the stored teacher config, so state-dict keys equal the teacher's for everything that was kept
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
-import os
 
 import torch
 import torch.nn as nn
@@ -18,9 +19,9 @@ from transformers import AutoConfig, AutoModel, DynamicCache, GenerationMixin, P
 from transformers.initialization import no_init_weights
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from taylor_calibrate.config import ATTENTION_TYPES, GDN_TYPE, HEADWISE_TYPES, GDNConfig, HybridConfig, gdn_dict
-from taylor_calibrate.checkpoint import check_loaded, check_report
-from taylor_calibrate.model.gdn import GatedDeltaNet, copy_attention_weights, init_recurrent_defaults
+from taylor_calibrate.model.hybrid_config import ATTENTION_TYPES, HEADWISE_TYPES, MIXER_TYPE, HybridConfig
+from taylor_calibrate.model.loading import check_loaded, check_report
+from taylor_calibrate.model.mixers import MIXERS, get_spec, spec_for_options
 from taylor_calibrate.ops import resolve_backend
 
 log = logging.getLogger("taylor_calibrate")
@@ -42,20 +43,22 @@ def teacher_layer_types(teacher_config) -> list[str]:
     return types
 
 
-def make_hybrid_config(teacher_config, gdn_layers: list[int], gdn: GDNConfig, teacher_name: str | None = None,
+def make_hybrid_config(teacher_config, gdn_layers: list[int], options, teacher_name: str | None = None,
                        kept_groups: dict[int, list[int]] | None = None):
-    """`kept_groups`: for head-wise layers among `gdn_layers`, the KV groups that stay softmax attention."""
+    """`options`: the mixer's options dataclass (a GDNConfig, ...), which also says which mixer; `kept_groups`: for
+    head-wise layers among `gdn_layers`, the KV groups that stay softmax attention."""
+    spec = spec_for_options(options)
     types = teacher_layer_types(teacher_config)
     kept_groups = {i: sorted(g) for i, g in (kept_groups or {}).items() if g and i in gdn_layers}
     for i in gdn_layers:
-        types[i] = HEADWISE_TYPES[types[i]] if i in kept_groups else GDN_TYPE
+        types[i] = HEADWISE_TYPES[types[i]] if i in kept_groups else MIXER_TYPE
     base = teacher_config.to_dict()
     base.pop("quantization_config", None)  # GGUF teachers are dequantised on load
     for k in ("architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype"):
         base.pop(k, None)
-    return HybridConfig(base_config=base, layer_types=types, gdn=gdn_dict(gdn), teacher_name=teacher_name,
+    return HybridConfig(base_config=base, layer_types=types, mixer=spec.name, teacher_name=teacher_name,
                         attention_heads={str(i): g for i, g in kept_groups.items()} or None,
-                        architectures=["HybridForCausalLM"])
+                        architectures=["HybridForCausalLM"], **{spec.name: dataclasses.asdict(options)})
 
 
 def head_dim_of(cfg) -> int:
@@ -88,13 +91,13 @@ def kept_heads(cfg, layers, kept_groups: dict[int, list[int]] | None = None) -> 
     return {i: h for i, h in out.items() if h}
 
 
-def _new_gdn(base, gdn_cfg: GDNConfig, layer_idx: int, attn: nn.Module, kept: list[int] = ()) -> GatedDeltaNet:
-    """The GDN mixer of a converted layer; head-wise (`kept` groups stay attention) it holds the other heads only,
-    and the o_proj bias stays with the attention part."""
+def _new_mixer(base, options, layer_idx: int, attn: nn.Module, kept: list[int] = ()) -> nn.Module:
+    """The mixer of a converted layer; head-wise (`kept` groups stay attention) it holds the other heads only, and
+    the o_proj bias stays with the attention part."""
     heads = len(converted_heads(base, kept))
-    return GatedDeltaNet(base.hidden_size, heads, head_dim_of(base), gdn_cfg, layer_idx,
-                         qkv_bias=gdn_cfg.bias and attn.q_proj.bias is not None,
-                         o_bias=gdn_cfg.bias and attn.o_proj.bias is not None and not kept)
+    return spec_for_options(options).build(base.hidden_size, heads, head_dim_of(base), options, layer_idx,
+                                           qkv_bias=attn.q_proj.bias is not None,
+                                           o_bias=attn.o_proj.bias is not None and not kept)
 
 
 @torch.no_grad()
@@ -130,10 +133,11 @@ def attention_part(attn: nn.Module, config, groups: list[int], o_bias: bool = Tr
 
 class HeadwiseMixer(nn.Module):
     """A layer converted head-wise: the kept KV groups stay the teacher's softmax attention (KV cached for them
-    only), the other query heads are one GDN mixer. W_O is linear in the heads, so the layer's output is the sum of
-    the two parts' outputs, each through its own columns of W_O."""
+    only), the other query heads are one linear mixer (attribute `gdn`, whatever the mixer: the checkpoint key). W_O
+    is linear in the heads, so the layer's output is the sum of the two parts' outputs, each through its own columns
+    of W_O."""
 
-    def __init__(self, attn: nn.Module, gdn: GatedDeltaNet):
+    def __init__(self, attn: nn.Module, gdn: nn.Module):
         super().__init__()
         self.attn, self.gdn = attn, gdn
 
@@ -159,8 +163,7 @@ class HybridPreTrainedModel(PreTrainedModel):
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         check_loaded(pretrained_model_name_or_path, info, "convert again into a new --out", unexpected=True)
-        if os.path.isdir(pretrained_model_name_or_path):
-            check_report(pretrained_model_name_or_path, model.config)
+        check_report(pretrained_model_name_or_path, model.config)
         return (model, info) if want_info else model
 
     def set_attn_implementation(self, attn_implementation, **kwargs):
@@ -173,8 +176,9 @@ class HybridPreTrainedModel(PreTrainedModel):
                 m.attn.config._attn_implementation = impl
 
     def _init_weights(self, module):
-        if isinstance(module, GatedDeltaNet):
-            init_recurrent_defaults(module, torch.Generator().manual_seed(module.layer_idx))
+        spec = next((s for s in MIXERS.values() if isinstance(module, s.module)), None)
+        if spec is not None:
+            spec.init_weights(module, torch.Generator().manual_seed(module.layer_idx))
         elif hasattr(self, "model") and isinstance(self.model, PreTrainedModel):
             self.model._init_weights(module)
 
@@ -186,22 +190,29 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         super().__init__(config)
         base = base_config_of(config)
         self.model = AutoModel.from_config(base, attn_implementation=config._attn_implementation)
-        gdn_cfg = config.gdn_config
+        options = get_spec(config.mixer).options(config.mixer_options)
         for i in config.gdn_layers:
             layer, kept = self.model.layers[i], config.kept_groups(i)
-            gdn = _new_gdn(base, gdn_cfg, i, layer.self_attn, kept)
-            layer.self_attn = HeadwiseMixer(attention_part(layer.self_attn, base, kept), gdn) if kept else gdn
+            mixer = _new_mixer(base, options, i, layer.self_attn, kept)
+            layer.self_attn = HeadwiseMixer(attention_part(layer.self_attn, base, kept), mixer) if kept else mixer
         self.lm_head = nn.Linear(base.hidden_size, base.vocab_size, bias=False)
         self.post_init()
 
     @property
-    def gdn_mixers(self) -> dict[int, GatedDeltaNet]:
-        """The GDN mixer of every converted layer (of a head-wise layer: its GDN part)."""
+    def gdn_mixers(self) -> dict[int, nn.Module]:
+        """The linear mixer of every converted layer (of a head-wise layer: its mixer part)."""
         mixers = {i: self.model.layers[i].self_attn for i in self.config.gdn_layers}
         return {i: getattr(m, "gdn", m) for i, m in mixers.items()}
 
+    def state_bytes(self) -> dict[int, int]:
+        """{layer: bytes of its mixer's decoding state (recurrent + conv) for one sequence}, from the mixer's spec;
+        a head-wise layer's kept heads add a KV cache that grows with the context (not counted here)."""
+        spec = get_spec(self.config.mixer)
+        size = next(self.parameters()).element_size()
+        return {i: spec.state_bytes(m, size) for i, m in self.gdn_mixers.items()}
+
     def set_backend(self, backend: str) -> str:
-        """Resolve the GDN kernel backend once (logged) and use it in every GDN layer."""
+        """Resolve the kernel backend once (logged) and use it in every mixer layer."""
         resolved = resolve_backend(backend)
         for m in self.gdn_mixers.values():
             m.backend = resolved
@@ -212,11 +223,11 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)  # KV layers for attention, recurrent-state layers for GDN
+            cache = DynamicCache(config=self.config)  # KV layers for attention, recurrent-state layers for mixers
         padding = attention_mask
         if isinstance(attention_mask, dict):  # generate() with a static cache: one prepared mask per layer type
-            padding = attention_mask.get(GDN_TYPE)
-            kept = {k: v for k, v in attention_mask.items() if k != GDN_TYPE}
+            padding = attention_mask.get(MIXER_TYPE)
+            kept = {k: v for k, v in attention_mask.items() if k != MIXER_TYPE}
             attention_mask = kept if len(kept) > 1 else next(iter(kept.values()), None)
         gdn_mask = None
         if isinstance(padding, torch.Tensor) and padding.dim() == 2 and not bool(padding.all()):
@@ -240,31 +251,32 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
 
 
 @torch.no_grad()
-def make_mixers(teacher: PreTrainedModel, layers: list[int], gdn: GDNConfig, seed: int = 0,
-                kept_groups: dict[int, list[int]] | None = None) -> dict[int, GatedDeltaNet]:
-    """Copy-only GDN mixers for `layers` of `teacher` (docs/method.md, "Weight transfer"): W_Q, W_K, W_V, W_O (GQA repeated),
+def make_mixers(teacher: PreTrainedModel, layers: list[int], options, seed: int = 0,
+                kept_groups: dict[int, list[int]] | None = None) -> dict[int, nn.Module]:
+    """Copy-only mixers (of the mixer whose options dataclass `options` is) for `layers` of `teacher` (docs/method.md, "Weight transfer"): W_Q, W_K, W_V, W_O (GQA repeated),
     library-default recurrent parameters; a head-wise layer's mixer (`kept_groups`) holds its converted heads only.
     They sit on the teacher's device and dtype."""
+    spec = spec_for_options(options)
     tcfg = teacher.config
     param = next(teacher.parameters())
     mixers = {}
     for i in layers:
         attn, kept = teacher.model.layers[i].self_attn, (kept_groups or {}).get(i, [])
         with torch.device(param.device):
-            mixer = _new_gdn(tcfg, gdn, i, attn, kept).to(param.dtype)
+            mixer = _new_mixer(tcfg, options, i, attn, kept).to(param.dtype)
         num_kv = tcfg.num_key_value_heads
         if kept:
             rest = [g for g in range(num_kv) if g not in set(kept)]
             attn, num_kv = attention_part(attn, tcfg, rest, o_bias=False), len(rest)
-        copy_attention_weights(mixer, attn, num_kv)
-        init_recurrent_defaults(mixer, torch.Generator().manual_seed(seed * 1000 + i))
+        spec.copy_from_attention(mixer, attn, num_kv)
+        spec.init_weights(mixer, torch.Generator().manual_seed(seed * 1000 + i))
         mixers[i] = mixer
     return mixers
 
 
 @contextlib.contextmanager
-def swapped_into(teacher: PreTrainedModel, mixers: dict[int, GatedDeltaNet]):
-    """Temporarily put GDN mixers in place of the teacher's attention: a cheap hybrid for cache-free evaluation
+def swapped_into(teacher: PreTrainedModel, mixers: dict[int, nn.Module]):
+    """Temporarily put mixers in place of the teacher's attention: a cheap hybrid for cache-free evaluation
     (policy search, ablations) without building a model per layer set."""
     layers = teacher.model.layers
     saved = {i: layers[i].self_attn for i in mixers}
@@ -290,13 +302,14 @@ def copy_buffers(src: nn.Module, dst: nn.Module) -> None:
             mod._buffers[leaf] = buf.detach().clone()
 
 
-def convert_teacher(teacher: PreTrainedModel, gdn_layers: list[int], gdn: GDNConfig, *, teacher_name: str | None = None,
-                    seed: int = 0, mixers: dict[int, GatedDeltaNet] | None = None,
+def convert_teacher(teacher: PreTrainedModel, gdn_layers: list[int], options, *, teacher_name: str | None = None,
+                    seed: int = 0, mixers: dict[int, nn.Module] | None = None,
                     kept_groups: dict[int, list[int]] | None = None) -> HybridForCausalLM:
-    """Build the hybrid: the teacher's weights everywhere, GDN mixers at `gdn_layers` (copy-only ones from
-    `make_mixers` unless calibrated `mixers` are given); `kept_groups` makes some of them head-wise."""
+    """Build the hybrid: the teacher's weights everywhere, mixers at `gdn_layers` (those of the mixer whose options
+    dataclass `options` is, e.g. a GDNConfig; copy-only ones from `make_mixers` unless calibrated `mixers` are
+    given); `kept_groups` makes some of them head-wise."""
     tcfg = teacher.config
-    cfg = make_hybrid_config(tcfg, gdn_layers, gdn, teacher_name, kept_groups)
+    cfg = make_hybrid_config(tcfg, gdn_layers, options, teacher_name, kept_groups)
     cfg._attn_implementation = getattr(tcfg, "_attn_implementation", None) or "sdpa"
     param = next(teacher.parameters())
     with no_init_weights(), torch.device(param.device):
@@ -310,7 +323,7 @@ def convert_teacher(teacher: PreTrainedModel, gdn_layers: list[int], gdn: GDNCon
     hybrid.tie_weights()  # re-share lm_head and embeddings when the teacher ties them (load_state_dict copied both)
     copy_buffers(teacher, hybrid)
     if mixers is None:
-        mixers = make_mixers(teacher, gdn_layers, gdn, seed, kept_groups)
+        mixers = make_mixers(teacher, gdn_layers, options, seed, kept_groups)
     for i, mixer in hybrid.gdn_mixers.items():
         mixer.load_state_dict(mixers[i].state_dict())
         kept = cfg.kept_groups(i)

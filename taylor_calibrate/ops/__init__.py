@@ -59,7 +59,7 @@ def resolve_backend(name: str) -> str:
     return resolved
 
 
-_IMPLS = {
+GDN_KERNELS = {  # (backend, mode) -> kernel; "torch" is the reference
     ("torch", "chunk"): reference.chunk_gated_delta_rule,
     ("torch", "recurrent"): reference.recurrent_gated_delta_rule,
     ("fla", "chunk"): fla_ops.chunk_gated_delta_rule,
@@ -96,7 +96,7 @@ def gated_delta_rule(
         )
         short = q.shape[1] <= DECODE_MAX_T
         mode = "recurrent" if short and not (backend == "fla" and needs_grad) else "chunk"
-    return _IMPLS[backend, mode](
+    return GDN_KERNELS[backend, mode](
         q, k, v, g, beta,
         scale=scale,
         initial_state=initial_state,

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from taylor_calibrate.config import GDNConfig
+from taylor_calibrate.model.mixers.gdn.config import GDNConfig
 from taylor_calibrate.ops import gated_delta_rule, l2norm
 
 
@@ -186,3 +186,18 @@ def init_recurrent_defaults(gdn: GatedDeltaNet, generator: torch.Generator) -> N
                 conv.weight.copy_((rand(*conv.weight.shape) * 2 - 1) * bound)
     if gdn.o_norm is not None:
         gdn.o_norm.weight.fill_(1.0)
+
+
+def build(hidden_size: int, num_heads: int, head_dim: int, cfg: GDNConfig, layer_idx: int, qkv_bias: bool,
+          o_bias: bool) -> GatedDeltaNet:
+    """A new GDN layer; the teacher's q/k/v/o biases are carried only when the option `bias` is on."""
+    return GatedDeltaNet(hidden_size, num_heads, head_dim, cfg, layer_idx, qkv_bias=cfg.bias and qkv_bias,
+                         o_bias=cfg.bias and o_bias)
+
+
+def state_bytes(gdn: GatedDeltaNet, element_size: int) -> int:
+    """Bytes of one sequence's decoding state in one layer: the fp32 (H, D, D) recurrent state plus the short conv's
+    last K-1 inputs of q|k|v (in the model's dtype, `element_size` bytes each)."""
+    H, D = gdn.num_heads, gdn.head_dim
+    conv = 0 if gdn.cfg.short_conv == "none" else 3 * H * D * (gdn.cfg.conv_size - 1) * element_size
+    return H * D * D * 4 + conv
