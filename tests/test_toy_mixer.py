@@ -11,7 +11,7 @@ from taylor_calibrate.align import align_layers
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.config import AlignArgs, CalibArgs
 from taylor_calibrate.distill import trainable_names
-from taylor_calibrate.export import load_model, save_hybrid
+from taylor_calibrate.checkpoint import load_model, save_hybrid
 from taylor_calibrate.model.mixers import MIXERS
 from taylor_calibrate.stats import attention_targets, collect_stats
 

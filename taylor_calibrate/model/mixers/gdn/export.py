@@ -1,4 +1,4 @@
-"""How a GDN layer maps onto Qwen3.5's `linear_attn` (the format itself: taylor_calibrate.qwen3_5):
+"""How a GDN layer maps onto Qwen3.5's `linear_attn` (the format itself: taylor_calibrate.export.qwen3_5):
 
     GDN layer (fla names)              Qwen3.5 `linear_attn`
     q_proj | k_proj | v_proj       ->  in_proj_qkv (rows concatenated)
