@@ -20,6 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from taylor_calibrate.config import ATTENTION_TYPES, GDN_TYPE, HEADWISE_TYPES, GDNConfig, HybridConfig, gdn_dict
 from taylor_calibrate.export import check_loaded, check_report
+from taylor_calibrate.memory import cached_layer_types
 from taylor_calibrate.model.gdn import GatedDeltaNet, copy_attention_weights, init_recurrent_defaults
 from taylor_calibrate.ops import resolve_backend
 
@@ -33,9 +34,9 @@ def base_config_of(config: HybridConfig):
 
 
 def teacher_layer_types(teacher_config) -> list[str]:
-    """Attention kind of every teacher layer ("full_attention" / "sliding_attention")."""
-    n = teacher_config.num_hidden_layers
-    types = list(getattr(teacher_config, "layer_types", None) or ["full_attention"] * n)
+    """Attention kind of every teacher layer ("full_attention" / "sliding_attention"; a Mistral with a window slides
+    in every layer), so that the hybrid's cache keeps a kept layer's window only, as the teacher's does."""
+    types = cached_layer_types(teacher_config)
     bad = sorted(set(types) - set(ATTENTION_TYPES))
     if bad:
         raise ValueError(f"teacher layer types {bad} are not softmax attention; cannot convert this teacher")
