@@ -17,6 +17,7 @@ from taylor_calibrate.config import ConvertArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.evaluate import check_finite_eval, perplexity, print_table
 from taylor_calibrate.export import REPORT, check_finite, staged_dir
+from taylor_calibrate.memory import byte_budget, cache_report, cache_rows, default_context
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.results import record
@@ -111,8 +112,11 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     n = teacher.model.config.num_hidden_layers
     kv = teacher.model.config.num_key_value_heads
     auto = resolve_policy(args)
+    # --kv_budget in bytes at --context (memory.py): what the policies below spend
+    context = default_context(teacher.model.config, args.context)
+    budget = byte_budget(teacher.model.config, args.gdn, args.kv_budget, context, dtype)
     if args.policy not in SCORED + RETRIEVAL:  # fails early on a bad layer list
-        kept_layers(args.policy, n, args.keep_every, kv_budget=args.kv_budget)
+        kept_layers(args.policy, n, args.keep_every, kv_budget=budget)
     times["load_teacher_s"] = time.perf_counter() - t0 - sum(times.values())
 
     t = time.perf_counter()
@@ -130,10 +134,10 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     t = time.perf_counter()
     scores, kept_groups, retrieval_scores = None, None, None
     if args.policy not in SCORED + RETRIEVAL:  # after the probes: auto may have fallen back to uniform
-        kept = kept_layers(args.policy, n, args.keep_every, kv_budget=args.kv_budget)
+        kept = kept_layers(args.policy, n, args.keep_every, kv_budget=budget)
     elif args.policy == "bypass":
         scores = bypass_scores(teacher.model, splits.calib[:4], args.eval_batch_size)
-        kept = kept_layers(args.policy, n, args.keep_every, scores, args.kv_budget)
+        kept = kept_layers(args.policy, n, args.keep_every, scores, budget)
     elif args.policy in RETRIEVAL:  # calibration needles in a calibration haystack: never the evaluation prompts
         words = tuple(teacher.tokenizer.decode(splits.calib[:8].flatten()).split())
         long = probe_length(4 * probe_len, teacher.model.config)  # retrieval heads far back too, not only near
@@ -143,10 +147,10 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         groups = group_scores(heads, kv)
         scores = groups.tolist()
         if args.policy == "heads":
-            kept_groups = kept_groups_of(groups, args.keep_every, args.kv_budget)
+            kept_groups = kept_groups_of(groups, args.keep_every, budget)
             kept = [i for i, g in kept_groups.items() if len(g) == kv]
         elif args.policy == "retrieval":
-            kept = kept_layers(args.policy, n, args.keep_every, groups.sum(1).tolist(), args.kv_budget)
+            kept = kept_layers(args.policy, n, args.keep_every, groups.sum(1).tolist(), budget)
         else:  # combined: chosen with the kl scores, after phase 1
             retrieval_scores = groups.sum(1).tolist()
     hybrids = args.policy in ON_HYBRIDS  # scored on hybrids of phase-1 mixers in every layer
@@ -170,7 +174,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
             layer_scores = combined_scores(scores, retrieval_scores, args.policy_weight)
             scores = {"kl": scores, "retrieval": retrieval_scores, "weight": args.policy_weight,
                       "combined": layer_scores}
-        kept = kept_layers(args.policy, n, args.keep_every, layer_scores, args.kv_budget)
+        kept = kept_layers(args.policy, n, args.keep_every, layer_scores, budget)
     kept_groups = kept_groups or layer_groups(kept, n, kv)
     converted = [i for i in range(n) if len(kept_groups[i]) < kv]
     headwise = {i: kept_groups[i] for i in converted if kept_groups[i]}
@@ -235,7 +239,7 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         "kept_layers": kept,
         "gdn_layers": converted,
         "headwise_kept_groups": {str(i): g for i, g in headwise.items()},
-        "kv_fraction": sum(len(g) for g in kept_groups.values()) / (n * kv),
+        **cache_report(teacher.model.config, hybrid.config, context, dtype),  # context, kv_bytes, kv_fraction (bytes)
         "policy_scores": scores,
         "teacher_ppl": teacher_eval["ppl"],
         "hybrid_ppl": hybrid_eval["ppl"],
@@ -271,8 +275,9 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
     init = f"{args.init}{' + align' if args.align else ''}"
     print(f"\nconverted {args.teacher}: {len(converted)} of {n} layers -> GDN ({args.policy}), kept attention {kept}")
     rows = [("teacher ppl", f"{teacher_eval['ppl']:.3f}"), (f"hybrid ppl ({init})", f"{hybrid_eval['ppl']:.3f}"),
-            ("KV cache kept", f"{report['kv_fraction']:.1%} of the teacher's" + (f" (head-wise layers {sorted(headwise)})"
-                                                                                 if headwise else ""))]
+            *cache_rows(report)]  # cache bytes at 4K / 32K / 128K and --context (memory.py)
+    if headwise:
+        rows.append(("head-wise layers", str(sorted(headwise))))
     if probes:
         rows += [(f"retrieval answer log-prob teacher / hybrid ({len(probes)} probes, {probe_len} tokens)",
                   f"{teacher_retrieval['logprob']:.2f} / {hybrid_retrieval['logprob']:.2f} nats"),
