@@ -98,3 +98,33 @@ def test_cache_report_and_rows():
     plain = cache_report(llama.config, convert_teacher(llama, [1], GDNConfig()).config, 256, torch.float32)
     assert list(plain["kv_bytes"]["teacher"]) == ["256"] and plain["window_saving"] == 0
     assert "sliding windows" not in dict(cache_rows(plain))
+
+
+GEMMA3 = __import__("pathlib").Path(__file__).resolve().parents[1] / "models" / "gemma-3-270m-q4_k_m.gguf"
+
+
+@pytest.mark.slow  # reading the GGUF's config takes minutes on a shared CPU
+@pytest.mark.skipif(not GEMMA3.exists(), reason="bash scripts/gemma3.sh assembles the Gemma-3-270M GGUF")
+def test_gemma3_270m_cache_is_bounded_by_its_windows():
+    """The second real teacher: 18 layers, global ones at 5, 11, 17, the others a 512-token window, one KV head of
+    256. At 8K the teacher caches 3 x 8192 + 15 x 512 positions; a hybrid that keeps one global layer and every
+    window (cheaper than a GDN state) needs about half of it, at 32K about two fifths."""
+    from transformers import AutoConfig
+
+    from taylor_calibrate.policy import kept_layers
+
+    cfg = AutoConfig.from_pretrained(GEMMA3.parent, gguf_file=GEMMA3.name)
+    types = cached_layer_types(cfg)
+    assert [i for i, t in enumerate(types) if t == "full_attention"] == [5, 11, 17] and cfg.sliding_window == 512
+    per_position = 1 * 256 * 2 * 2  # one KV head of 256, K and V, bf16
+    assert sum(teacher_layer_bytes(cfg, 8192, torch.bfloat16)) == (3 * 8192 + 15 * 512) * per_position
+    scores = [1.0 if t == "full_attention" else 0.0 for t in types]  # the global layers ranked first
+    for context, fraction in ((8192, 0.6), (32768, 0.42)):
+        kept = kept_layers("retrieval", 18, 4, scores, kv_budget=byte_budget(cfg, GDNConfig(), fraction, context,
+                                                                             torch.bfloat16))
+        assert [i for i in kept if types[i] == "full_attention"] == [5] and len(kept) == 16
+    kept = kept_layers("retrieval", 18, 4, scores, kv_budget=byte_budget(cfg, GDNConfig(), 0.25, 32768,
+                                                                         torch.bfloat16))
+    assert kept == [i for i, t in enumerate(types) if t != "full_attention"]  # no global layer fits 25%
+    with pytest.raises(ValueError, match="below the least any hybrid"):  # 25% at 8K: the GDN states alone exceed it
+        kept_layers("retrieval", 18, 4, scores, kv_budget=byte_budget(cfg, GDNConfig(), 0.25, 8192, torch.bfloat16))
