@@ -255,10 +255,15 @@ class PipelineArgs:
     """HF checkpoint directory, hub id, .gguf file, or "smollm2-135m" (the embedded default teacher)."""
     keep_every: int = 4
     """Keep one attention layer in this many (all policies keep ceil(n / keep_every) layers, or KV groups for
-    `heads`); a shorthand for --kv_budget."""
+    `heads`), whatever they cost in bytes; --kv_budget budgets bytes instead."""
     kv_budget: float | None = None
-    """Fraction of the teacher's KV cache the hybrid keeps, in (0, 1): at most this fraction of the layers (layer
-    policies) or of the KV groups (`heads`) stays softmax attention. None: one in --keep_every."""
+    """Fraction of the teacher's KV cache bytes per sequence at --context that the hybrid may cache, in (0, 1): the
+    policy keeps the layers (or KV groups, `heads`) it ranks first while the kept attention (a sliding-window layer
+    counts its window) plus the fixed GDN state of every converted part fits (taylor_calibrate/memory.py). None: one
+    in --keep_every."""
+    context: int | None = None
+    """Context length (tokens) at which cache bytes are counted: --kv_budget's budget and the teacher / hybrid cache
+    figures convert prints and records. None: the teacher's max_position_embeddings, at most 32768."""
     probe_samples: int = 8
     """Retrieval probes per task (single, multikey, passkey) and length: the `retrieval` / `heads` policies score the
     teacher's heads on calibration probes at --data.seq_len and 4x that many tokens (capped by the teacher's
@@ -290,6 +295,8 @@ class PipelineArgs:
         check_profile(self.profile)
         if self.kv_budget is not None and not 0 < self.kv_budget < 1:
             raise ValueError(f"kv_budget={self.kv_budget} must be a fraction of the teacher's KV cache in (0, 1)")
+        if self.context is not None and self.context < 1:
+            raise ValueError(f"context={self.context} must be >= 1 (tokens at which the KV cache is counted)")
         if self.probe_samples < 1:
             raise ValueError(f"probe_samples={self.probe_samples} must be >= 1")
         if not 0 <= self.policy_weight <= 1:

@@ -24,6 +24,7 @@ from taylor_calibrate.config import ConvertArgs, apply_profile
 from taylor_calibrate.data import TokenSplits, load_splits
 from taylor_calibrate.evaluate import check_finite_eval, perplexity, print_table
 from taylor_calibrate.export.qwen3_5 import check_qwen3_form, qwen3_form, start_qk_norm, target_gdn
+from taylor_calibrate.memory import byte_budget, cache_report, cache_rows, default_context
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import (ON_HYBRIDS, RETRIEVAL, SCORED, combined_scores, gdn_layers, group_scores,
@@ -106,7 +107,7 @@ class Conversion:
 
 def resolve_args(args: ConvertArgs, config, device_type: str) -> tuple[ConvertArgs, bool]:
     """A copy of `args` with the profile's sizes filled in, `--policy auto` resolved (logged) and the target's GDN
-    options set; fails early on a bad layer list or a teacher the target cannot take. Returns (args, was auto)."""
+    options set; fails early on a teacher the target cannot take. Returns (args, was auto)."""
     args = copy.deepcopy(args)
     apply_profile(args, device_type)
     check_context(args.data.seq_len, config, args.data.beyond_context, "teacher")
@@ -117,8 +118,6 @@ def resolve_args(args: ConvertArgs, config, device_type: str) -> tuple[ConvertAr
     if auto:  # the policy that keeps the teacher's retrieval heads: "heads", or whole layers for --target qwen3_5
         args.policy = "retrieval" if args.target == "qwen3_5" else "heads"
         log.info("policy auto -> %s (target %s)", args.policy, args.target)
-    if args.policy not in SCORED + RETRIEVAL:
-        kept_layers(args.policy, config.num_hidden_layers, args.keep_every, kv_budget=args.kv_budget)
     return args, auto
 
 
@@ -155,17 +154,19 @@ def evaluate_teacher(args: ConvertArgs, teacher: Teacher, splits: TokenSplits, a
     return teacher_eval, answer_scores(teacher.model, probes) if probes else None, probe_len, probes, policy
 
 
-def choose_from_teacher(args: ConvertArgs, teacher: Teacher, splits: TokenSplits, probe_len: int | None) -> Choice:
+def choose_from_teacher(args: ConvertArgs, teacher: Teacher, splits: TokenSplits, probe_len: int | None,
+                        budget) -> Choice:
     """What stays, for the policies that decide from the teacher alone (all but greedy / kl / combined, which
     `choose_on_hybrids` decides after phase 1): fixed layers, bypass scores, or the heads the teacher retrieves with
-    on calibration needles in a calibration haystack (never the evaluation prompts)."""
+    on calibration needles in a calibration haystack (never the evaluation prompts). `budget`: --kv_budget in bytes
+    (memory.byte_budget), or None for one unit in --keep_every."""
     cfg = teacher.model.config
     n, kv, policy = cfg.num_hidden_layers, cfg.num_key_value_heads, args.policy
     if policy not in SCORED + RETRIEVAL:
-        return Choice(policy, kept_layers(policy, n, args.keep_every, kv_budget=args.kv_budget))
+        return Choice(policy, kept_layers(policy, n, args.keep_every, kv_budget=budget))
     if policy == "bypass":
         scores = layer_scores(policy, teacher.model, None, splits.calib[:4], args.eval_batch_size)
-        return Choice(policy, kept_layers(policy, n, args.keep_every, scores, args.kv_budget), scores=scores)
+        return Choice(policy, kept_layers(policy, n, args.keep_every, scores, budget), scores=scores)
     if policy not in RETRIEVAL:
         return Choice(policy)
     words = tuple(teacher.tokenizer.decode(splits.calib[:8].flatten()).split())
@@ -174,10 +175,10 @@ def choose_from_teacher(args: ConvertArgs, teacher: Teacher, splits: TokenSplits
               for p in calibration_probes(teacher.tokenizer, words, length=length, samples=args.probe_samples)]
     groups = group_scores(retrieval_heads(teacher.model, probes), kv)
     if policy == "heads":
-        kept_groups = kept_groups_of(groups, args.keep_every, args.kv_budget)
+        kept_groups = kept_groups_of(groups, args.keep_every, budget)
         return Choice(policy, [i for i, g in kept_groups.items() if len(g) == kv], kept_groups, groups.tolist())
     if policy == "retrieval":
-        return Choice(policy, kept_layers(policy, n, args.keep_every, groups.sum(1).tolist(), args.kv_budget),
+        return Choice(policy, kept_layers(policy, n, args.keep_every, groups.sum(1).tolist(), budget),
                       scores=groups.tolist())
     return Choice(policy, scores=groups.tolist(), retrieval_scores=groups.sum(1).tolist())  # combined
 
@@ -198,7 +199,8 @@ def teacher_statistics(args: ConvertArgs, teacher: Teacher, splits: TokenSplits,
                          store_device=store, store_far=args.align and args.phase2.far_weight > 0)
 
 
-def choose_on_hybrids(args: ConvertArgs, teacher: Teacher, mixers: dict, splits: TokenSplits, choice: Choice) -> Choice:
+def choose_on_hybrids(args: ConvertArgs, teacher: Teacher, mixers: dict, splits: TokenSplits, choice: Choice,
+                      budget) -> Choice:
     """greedy / kl / combined: the layers whose restoration to attention most helps a hybrid of phase-1 mixers."""
     n = teacher.model.config.num_hidden_layers
     scores = chosen = layer_scores(choice.policy, teacher.model, mixers, splits.calib[:4], args.eval_batch_size)
@@ -206,7 +208,7 @@ def choose_on_hybrids(args: ConvertArgs, teacher: Teacher, mixers: dict, splits:
         chosen = combined_scores(scores, choice.retrieval_scores, args.policy_weight)
         scores = {"kl": scores, "retrieval": choice.retrieval_scores, "weight": args.policy_weight,
                   "combined": chosen}
-    return Choice(choice.policy, kept_layers(choice.policy, n, args.keep_every, chosen, args.kv_budget), scores=scores)
+    return Choice(choice.policy, kept_layers(choice.policy, n, args.keep_every, chosen, budget), scores=scores)
 
 
 def phase2(args: ConvertArgs, teacher: Teacher, stats, mixers: dict, headwise: dict, backend: str) -> dict | None:
@@ -251,6 +253,10 @@ def convert(args: ConvertArgs, teacher: Teacher, rt: Runtime, clock: Clock | Non
         raise ValueError(f"the teacher is on {on} but device={args.device!r} resolves to {rt.device}; move it first")
     n, kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     args, auto = resolve_args(args, cfg, rt.device.type)
+    context = default_context(cfg, args.context)
+    budget = byte_budget(cfg, args.gdn, args.kv_budget, context, rt.dtype)  # --kv_budget: bytes at --context
+    if args.policy not in SCORED + RETRIEVAL:  # a bad layer list or an unreachable budget fails before any work
+        kept_layers(args.policy, n, args.keep_every, kv_budget=budget)
     adapt = args.target == "qwen3_5" and cfg.model_type != "qwen3"  # kept attention changes form too
 
     with clock("data"):
@@ -260,7 +266,7 @@ def convert(args: ConvertArgs, teacher: Teacher, rt: Runtime, clock: Clock | Non
         teacher_eval, teacher_retrieval, probe_len, probes, policy = evaluate_teacher(args, teacher, splits, auto)
         args.policy = policy
     with clock("stats"):
-        choice = choose_from_teacher(args, teacher, splits, probe_len)
+        choice = choose_from_teacher(args, teacher, splits, probe_len, budget)
         candidates = candidate_layers(choice, n, kv)
         hybrids = policy in ON_HYBRIDS
         stored = sorted(set(candidates) | set(choice.kept if adapt and not hybrids else []))
@@ -270,7 +276,7 @@ def convert(args: ConvertArgs, teacher: Teacher, rt: Runtime, clock: Clock | Non
         mixers, p1 = calibrated_mixers(teacher.model, stats, candidates, args.init, args.calib, args.gdn, rt.backend,
                                        args.seed, choice.kept_groups)
         if hybrids:
-            choice = choose_on_hybrids(args, teacher, mixers, splits, choice)
+            choice = choose_on_hybrids(args, teacher, mixers, splits, choice, budget)
         choice = choice.settled(n, kv)
         converted, headwise = choice.converted(kv), choice.headwise(kv)
         mixers = {i: mixers[i] for i in converted}
@@ -298,7 +304,8 @@ def convert(args: ConvertArgs, teacher: Teacher, rt: Runtime, clock: Clock | Non
         "teacher": args.teacher, "init": args.init, "align": args.align, "policy": policy, "policy_auto": auto,
         "layer_types": list(hybrid.config.layer_types), "kept_layers": choice.kept, "gdn_layers": converted,
         "headwise_kept_groups": {str(i): g for i, g in headwise.items()},
-        "kv_fraction": sum(len(g) for g in choice.kept_groups.values()) / (n * kv), "policy_scores": choice.scores,
+        **cache_report(cfg, hybrid.config, context, rt.dtype),  # context, kv_bytes, kv_fraction (bytes)
+        "policy_scores": choice.scores,
         "teacher_ppl": teacher_eval["ppl"], "hybrid_ppl": hybrid_eval["ppl"],
         "retrieval": probes and {"teacher": teacher_retrieval, "hybrid": hybrid_retrieval, "probes": len(probes),
                                  "length": probe_len},
@@ -352,9 +359,10 @@ def print_summary(report: dict, args: ConvertArgs, out: Path | None) -> None:
     print(f"\nconverted {args.teacher}: {len(report['gdn_layers'])} of {n} layers -> GDN ({args.policy}), "
           f"kept attention {kept}")
     init = f"{args.init}{' + align' if args.align else ''}"
-    kv = f"{report['kv_fraction']:.1%} of the teacher's"
     rows = [("teacher ppl", f"{report['teacher_ppl']:.3f}"), (f"hybrid ppl ({init})", f"{report['hybrid_ppl']:.3f}"),
-            ("KV cache kept", kv + (f" (head-wise layers {sorted(int(i) for i in headwise)})" if headwise else ""))]
+            *cache_rows(report)]  # cache bytes at 4K / 32K / 128K and --context
+    if headwise:
+        rows.append(("head-wise layers", str(sorted(int(i) for i in headwise))))
     if report["retrieval"]:
         r = report["retrieval"]
         rows += [(f"retrieval answer log-prob teacher / hybrid ({r['probes']} probes, {r['length']} tokens)",

@@ -9,8 +9,10 @@
 - `retrieval`, `heads`: the layers / KV groups whose heads the teacher retrieves with (scored in `stats`).
 - `combined`: `kl` and `retrieval` scores, each scaled to [0, 1], mixed with one weight.
 - `layers=0,4,8`: an explicit list.
-All keep the same number of layers, ceil(n / keep_every). Scores are measured on *calibration* rows, never on the
-held-out text that reports the result; convert keeps them in report.json (`policy_scores`).
+All keep the same number of layers, ceil(n / keep_every); or, with --kv_budget F (a memory.ByteBudget), as many
+as fit in F x the teacher's cache bytes at --context, counted as the layers cache (sliding windows, GDN states).
+Scores are measured on *calibration* rows, never on the held-out text that reports the result; convert keeps them in
+report.json (`policy_scores`).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import math
 
 import torch
 from tqdm.auto import tqdm
+
+from taylor_calibrate.memory import ByteBudget
 
 SCORED = ("bypass", "greedy", "retrieval", "kl", "combined")
 RETRIEVAL = ("retrieval", "heads", "combined")
@@ -75,24 +79,87 @@ def spread(num_layers: int, k: int) -> list[int]:
     return sorted({math.floor(i * num_layers / k) for i in range(k)})
 
 
+def rank_order(scores, resolution: float | None = SCORE_RESOLUTION) -> list:
+    """The keys of `scores` ({key: score}), best first, scores rounded to `resolution` (None: exact), ties in key
+    order."""
+    return sorted(scores, key=lambda i: (-(round(scores[i] / resolution) if resolution else scores[i]), i))
+
+
 def ranked(scores, k: int, resolution: float | None = SCORE_RESOLUTION) -> list:
     """The k highest-scoring keys of `scores` ({key: score}), scores rounded to `resolution` (None: exact), ties in
     key order."""
-    order = sorted(scores, key=lambda i: (-(round(scores[i] / resolution) if resolution else scores[i]), i))
-    return sorted(order[:k])
+    return sorted(rank_order(scores, resolution)[:k])
+
+
+def _pct(budget: ByteBudget, n: float) -> str:
+    return f"{n / budget.teacher:.1%}"
+
+
+def check_fits(budget: ByteBudget, costs: dict) -> None:
+    """A clear error when not even the cheapest hybrid (every unit in its cheaper form) fits the budget."""
+    floor = sum(min(c) for c in costs.values())
+    if floor > budget.limit:
+        raise ValueError(f"kv_budget={budget.fraction} is below the least any hybrid of this teacher caches at "
+                         f"--context {budget.context}: {_pct(budget, floor)} of the teacher's cache bytes (GDN states "
+                         f"of the converted layers, windows of the sliding ones); raise --kv_budget above "
+                         f"{math.ceil(floor / budget.teacher * 1000) / 1000} or count at a longer --context")
+
+
+def within_budget(order: list, costs: dict, budget: ByteBudget) -> list:
+    """Spend the byte budget down `order` (units, best first): a unit stays attention when what is kept so far, it,
+    and every unit still undecided in its cheaper form fit `budget.limit`; else it is converted. `costs`: {unit:
+    (bytes as attention, bytes as GDN)}. A unit that caches no more as attention than as GDN (a sliding window
+    smaller than a GDN state) is thus always kept: converting it would save nothing. Sorted kept units."""
+    check_fits(budget, costs)
+    rest = sum(min(c) for c in costs.values())
+    spent, kept = 0, []
+    for u in order:
+        attention, gdn = costs[u]
+        rest -= min(attention, gdn)
+        if spent + attention + rest <= budget.limit:
+            kept.append(u)
+            spent += attention
+        else:
+            spent += gdn
+    if not kept:
+        cheapest = min(a - g for a, g in costs.values())
+        raise ValueError(f"kv_budget={budget.fraction} fits no attention at --context {budget.context}: the cheapest "
+                         f"unit costs {_pct(budget, cheapest)} more of the teacher's cache bytes than its GDN state; "
+                         "raise --kv_budget")
+    if len(kept) == len(costs):
+        raise ValueError(f"at --context {budget.context} every layer caches no more as attention than as GDN state: "
+                         "converting saves nothing; count at a longer --context")
+    return sorted(kept)
+
+
+def spread_within(num_layers: int, budget: ByteBudget) -> list[int]:
+    """`uniform` under a byte budget: the most layers, spread evenly from layer 0, that fit."""
+    costs = budget.layer_costs()
+    check_fits(budget, costs)
+    for k in range(num_layers - 1, 0, -1):
+        kept = spread(num_layers, k)
+        if sum(costs[i][0] if i in kept else costs[i][1] for i in range(num_layers)) <= budget.limit:
+            return kept
+    raise ValueError(f"kv_budget={budget.fraction} fits no attention layer spread from layer 0 at --context "
+                     f"{budget.context} (layer 0 costs {_pct(budget, costs[0][0])} of the teacher's cache bytes); "
+                     "raise --kv_budget")
 
 
 def kept_layers(policy: str, num_layers: int, keep_every: int = 4, scores: list[float] | None = None,
-                kv_budget: float | None = None) -> list[int]:
-    """Resolve a policy to the list of kept attention layers (`scores` for the scored policies: higher = keep)."""
-    k = kept_count(num_layers, keep_every, kv_budget)
+                kv_budget: float | ByteBudget | None = None) -> list[int]:
+    """Resolve a policy to the list of kept attention layers (`scores` for the scored policies: higher = keep).
+    `kv_budget`: a ByteBudget (bytes), a fraction of the layers, or None (one in `keep_every`)."""
+    in_bytes = isinstance(kv_budget, ByteBudget)
     if policy == "uniform":
-        kept = uniform_kept(num_layers, keep_every) if kv_budget is None else spread(num_layers, k)
+        kept = (spread_within(num_layers, kv_budget) if in_bytes else uniform_kept(num_layers, keep_every)
+                if kv_budget is None else spread(num_layers, kept_count(num_layers, keep_every, kv_budget)))
     elif policy in SCORED:
         if scores is None or len(scores) != num_layers:
             raise ValueError(f"policy {policy!r} needs one score per layer ({num_layers})")
         # combined scores mix scores already rounded (combined_scores): ranked exactly, w = 0 / 1 is kl / retrieval
-        kept = ranked(dict(enumerate(scores)), k, None if policy == "combined" else SCORE_RESOLUTION)
+        order = rank_order(dict(enumerate(scores)), None if policy == "combined" else SCORE_RESOLUTION)
+        kept = (within_budget(order, kv_budget.layer_costs(), kv_budget) if in_bytes
+                else sorted(order[:kept_count(num_layers, keep_every, kv_budget)]))
     elif policy.startswith("layers="):
         kept = parse_layer_list(policy[len("layers="):], num_layers)
     else:
@@ -220,12 +287,17 @@ def group_scores(head_scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return head_scores.reshape(L, num_kv_heads, H // num_kv_heads).sum(-1)
 
 
-def kept_groups_of(scores: torch.Tensor, keep_every: int, kv_budget: float | None = None) -> dict[int, list[int]]:
-    """Head-wise policy: the highest-scoring KV groups over all layers, as many as the budget allows;
-    {layer: [kept groups]} for every layer ([] = converted whole, all groups = kept whole)."""
+def kept_groups_of(scores: torch.Tensor, keep_every: int,
+                   kv_budget: float | ByteBudget | None = None) -> dict[int, list[int]]:
+    """Head-wise policy: the highest-scoring KV groups over all layers, as many as the budget allows (a ByteBudget:
+    in bytes; a fraction of the groups; None: one in `keep_every`); {layer: [kept groups]} for every layer ([] =
+    converted whole, all groups = kept whole)."""
     L, G = scores.shape
     flat = {(i, g): float(scores[i, g]) for i in range(L) for g in range(G)}
-    top = ranked(flat, kept_count(L * G, keep_every, kv_budget))
+    if isinstance(kv_budget, ByteBudget):
+        top = within_budget(rank_order(flat), kv_budget.group_costs(), kv_budget)
+    else:
+        top = ranked(flat, kept_count(L * G, keep_every, kv_budget))
     return {i: [g for (j, g) in top if j == i] for i in range(L)}
 
 

@@ -38,7 +38,11 @@ def test_convert_report(converted):
     assert report["args"]["data"]["calib_seqs"] == 2 and report["args"]["phase2"]["steps"] == 100  # profile-filled
     assert report["policy"] == "heads" and report["policy_auto"]  # the default: the teacher's retrieval heads
     kv = 30 * 3  # SmolLM2: 30 layers x 3 KV groups; --keep_every 4 keeps ceil(kv / 4) groups
-    assert report["kv_fraction"] == -(-kv // 4) / kv and report["headwise_kept_groups"]
+    kept = 3 * len(report["kept_layers"]) + sum(map(len, report["headwise_kept_groups"].values()))
+    assert kept == -(-kv // 4) and report["headwise_kept_groups"]
+    teacher, hybrid = (report["kv_bytes"][k]["8192"] for k in ("teacher", "hybrid"))  # bytes at the context, 8K
+    assert report["context"] == 8192 and report["kv_fraction"] == hybrid / teacher
+    assert teacher == 30 * 8192 * 3 * 64 * 2 * 4 and kept / kv < report["kv_fraction"] < 0.3  # + GDN states, fp32
     assert set(report["layer_types"]) <= {"full_attention", "linear_attention", "hybrid"}
     assert report["retrieval"]["hybrid"]["acc"] is not None
     assert report["phase2_kept_attention"] is None  # off by default (docs/decisions.md); test_align tests it
@@ -168,7 +172,7 @@ def test_policy_auto_keeps_retrieval_heads_or_falls_back(tmp_path, max_pos, targ
                  "--data.eval_seqs", "2", "--phase2.steps", "2", "--probe_samples", "1"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["policy"] == want and report["policy_auto"] and report["args"]["policy"] == want
-    assert report["kv_fraction"] <= 0.3
+    assert 0 < report["kv_fraction"] < 1 and report["context"] == max_pos  # bytes (GDN states weigh at 64 tokens)
     assert (want == "uniform") == any("retrieval probes do not fit" in r.message for r in caplog.records)
 
 

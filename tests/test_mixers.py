@@ -31,7 +31,7 @@ def test_spec_is_complete(name):
         feats = layer.features(x)
         out = layer.output(x, layer.readout(*feats))
         torch.testing.assert_close(out, layer(x)[0])
-        assert spec.state_bytes(layer, 4) > 0
+        assert spec.state_bytes(options, 4, 16, 4) > 0
 
 
 def test_lookup_errors_name_the_known_mixers():

@@ -71,7 +71,7 @@ def test_toy_mixer_calibrates_aligns_saves_loads_and_generates(toy, teacher_stat
         out = loaded.generate(ids[:1, :8], max_new_tokens=5, do_sample=False)
         assert out.shape == (1, 13)
         assert torch.equal(out, loaded.generate(ids[:1, :8], max_new_tokens=5, do_sample=False, use_cache=False))
-    assert TOY_SPEC.state_bytes(mixers[1], 4) == 4 * 16 * 16 * 4
+    assert TOY_SPEC.state_bytes(ToyConfig(), 4, 16, 4) == 4 * 16 * 16 * 4
 
 
 def test_toy_mixer_through_the_convert_stage(toy, tmp_path, single_thread):

@@ -19,7 +19,8 @@ from transformers import AutoConfig, AutoModel, DynamicCache, GenerationMixin, P
 from transformers.initialization import no_init_weights
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from taylor_calibrate.model.hybrid_config import ATTENTION_TYPES, HEADWISE_TYPES, MIXER_TYPE, HybridConfig
+from taylor_calibrate.model.hybrid_config import (ATTENTION_TYPES, HEADWISE_TYPES, MIXER_TYPE, HybridConfig,
+                                                  cached_layer_types)
 from taylor_calibrate.model.loading import check_loaded, check_report
 from taylor_calibrate.model.mixers import MIXERS, get_spec, spec_for_options
 from taylor_calibrate.ops import resolve_backend
@@ -34,9 +35,9 @@ def base_config_of(config: HybridConfig):
 
 
 def teacher_layer_types(teacher_config) -> list[str]:
-    """Attention kind of every teacher layer ("full_attention" / "sliding_attention")."""
-    n = teacher_config.num_hidden_layers
-    types = list(getattr(teacher_config, "layer_types", None) or ["full_attention"] * n)
+    """Attention kind of every teacher layer ("full_attention" / "sliding_attention"; a Mistral with a window slides
+    in every layer), so that the hybrid's cache keeps a kept layer's window only, as the teacher's does."""
+    types = cached_layer_types(teacher_config)
     bad = sorted(set(types) - set(ATTENTION_TYPES))
     if bad:
         raise ValueError(f"teacher layer types {bad} are not softmax attention; cannot convert this teacher")
@@ -208,8 +209,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         """{layer: bytes of its mixer's decoding state (recurrent + conv) for one sequence}, from the mixer's spec;
         a head-wise layer's kept heads add a KV cache that grows with the context (not counted here)."""
         spec = get_spec(self.config.mixer)
-        size = next(self.parameters()).element_size()
-        return {i: spec.state_bytes(m, size) for i, m in self.gdn_mixers.items()}
+        options, size = spec.options(self.config.mixer_options), next(self.parameters()).element_size()
+        return {i: spec.state_bytes(options, m.num_heads, m.head_dim, size) for i, m in self.gdn_mixers.items()}
 
     def set_backend(self, backend: str) -> str:
         """Resolve the kernel backend once (logged) and use it in every mixer layer."""

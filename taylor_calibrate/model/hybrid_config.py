@@ -9,6 +9,17 @@ MIXER_TYPE = "linear_attention"  # transformers' cache name for a recurrent-stat
 # transformers' cache names for a layer that holds both: a KV cache (of the kept heads) and a recurrent state
 HEADWISE_TYPES = {"full_attention": "hybrid", "sliding_attention": "hybrid_sliding"}
 
+def cached_layer_types(config) -> list[str]:
+    """Cache kind of every layer of a teacher (or hybrid) config: its `layer_types`, or, without them, every layer
+    "sliding_attention" when the config has a `sliding_window` (Mistral), else "full_attention" (transformers'
+    DynamicCache reads a config the same way)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    return [kind] * config.num_hidden_layers
+
+
 # Attributes of the teacher config that generation, masking and caching read from the top-level config.
 _MIRRORED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "head_dim", "max_position_embeddings", "sliding_window", "rms_norm_eps", "bos_token_id",

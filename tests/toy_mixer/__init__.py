@@ -129,8 +129,8 @@ def _half_life(mixer, st, x, y, args):
     return {"half_life": d.tolist()}
 
 
-def state_bytes(mixer, element_size):
-    return mixer.num_heads * mixer.head_dim * mixer.head_dim * 4
+def state_bytes(options, num_heads, head_dim, element_size):
+    return num_heads * head_dim * head_dim * 4
 
 
 TOY_SPEC = MixerSpec(

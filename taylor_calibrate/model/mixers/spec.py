@@ -38,8 +38,10 @@ class MixerSpec:
     param_groups: dict[str, str]
     """Phase 2 optimizer group of every top-level parameter / submodule name: "qkv", "dynamics", "new", "o_proj" or
     "o_norm" (AlignArgs' learning rates)."""
-    state_bytes: Callable[[nn.Module, int], int]
-    """state_bytes(mixer, element_size): bytes of recurrent + conv state of one layer for one sequence."""
+    state_bytes: Callable[[Any, int, int, int], int]
+    """state_bytes(options, num_heads, head_dim, element_size): bytes of the decoding state (recurrent + conv) of
+    `num_heads` heads of one layer for one sequence, from the options alone (budgets count it before any layer
+    exists)."""
     kernels: dict = field(default_factory=dict)
     """{(backend, mode): kernel} of the recurrence; backend "torch" is the reference."""
     exports: dict[str, Any] = field(default_factory=dict)

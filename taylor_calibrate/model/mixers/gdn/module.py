@@ -195,9 +195,8 @@ def build(hidden_size: int, num_heads: int, head_dim: int, cfg: GDNConfig, layer
                          o_bias=cfg.bias and o_bias)
 
 
-def state_bytes(gdn: GatedDeltaNet, element_size: int) -> int:
-    """Bytes of one sequence's decoding state in one layer: the fp32 (H, D, D) recurrent state plus the short conv's
-    last K-1 inputs of q|k|v (in the model's dtype, `element_size` bytes each)."""
-    H, D = gdn.num_heads, gdn.head_dim
-    conv = 0 if gdn.cfg.short_conv == "none" else 3 * H * D * (gdn.cfg.conv_size - 1) * element_size
+def state_bytes(cfg: GDNConfig, H: int, D: int, element_size: int) -> int:
+    """Bytes of one sequence's decoding state of H heads in one layer: the fp32 (H, D, D) recurrent state (fla and the
+    torch path keep it in fp32) plus the short conv's last K-1 inputs of q|k|v (`element_size` bytes each)."""
+    conv = 0 if cfg.short_conv == "none" else 3 * H * D * (cfg.conv_size - 1) * element_size
     return H * D * D * 4 + conv
