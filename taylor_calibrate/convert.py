@@ -26,7 +26,8 @@ from taylor_calibrate.qwen3_5 import check_qwen3_form, qwen3_form, start_qk_norm
 from taylor_calibrate.retrieval import answer_scores, calibration_probes, eval_probes, probe_length
 from taylor_calibrate.stats import (attention_targets, collect_stats, far_weights, retrieval_heads,
                                     store_device_for)
-from taylor_calibrate.teacher import Teacher, load_teacher, resolve_device, resolve_dtype
+from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, Teacher, gguf_tokenizer_metadata, load_teacher,
+                                      resolve_device, resolve_dtype, teacher_gguf_path)
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -261,6 +262,9 @@ def convert_loaded(args: ConvertArgs, teacher: Teacher, t0: float | None = None,
         with staged_dir(args.out) as tmp:
             t = time.perf_counter()
             hybrid.save_pretrained(tmp, safe_serialization=True)
+            gguf_path = teacher_gguf_path(args.teacher)
+            if gguf_path is not None:  # what transformers' GGUF tokenizer drops; a GGUF export writes it back
+                teacher.tokenizer.init_kwargs[GGUF_TOKENIZER_KEY] = gguf_tokenizer_metadata(gguf_path)
             teacher.tokenizer.save_pretrained(tmp)
             times["save_s"] = time.perf_counter() - t
             report["wall_s"] = time.perf_counter() - t0

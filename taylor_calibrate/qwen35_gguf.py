@@ -5,7 +5,8 @@ changes llama.cpp's loader expects: RMSNorm weights stored as the multiplier w (
 GDN's gated norm is already w), `A_log` stored as A = -exp(A_log) (`ssm_a`), `dt_bias` as `ssm_dt.bias`, and the
 depthwise conv kernel as (channels, K). The layer pattern goes in `qwen35.attention.recurrent_layers` (any pattern;
 llama.cpp builds that read it) and, when periodic, also `qwen35.full_attention_interval` (older builds read only
-that). The tokenizer goes in as a byte-level BPE ("gpt2") vocabulary from tokenizer.json.
+that). The tokenizer goes in as a byte-level BPE ("gpt2") vocabulary from tokenizer.json with the pre-tokenizer
+llama.cpp needs to split text as the model's tokenizer does (recorded from a GGUF teacher, or named from tokenizer.json).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 
 from taylor_calibrate.config import GDN_TYPE
 from taylor_calibrate.qwen3_5 import _load_hybrid_files, qwen3_5_config, qwen3_5_state_dict
+from taylor_calibrate.teacher import GGUF_TOKENIZER_KEY
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -46,40 +48,103 @@ def _gguf_tensor(name: str, w: torch.Tensor, tensor_map) -> tuple[str, np.ndarra
     return f"{mapped}.{suffix}", w.numpy()
 
 
+# tokenizer.json's pre-tokenizer (its steps, reduced to what decides the split) -> llama.cpp's name for the same split
+# (`tokenizer.ggml.pre`, llama-vocab.cpp). A pre-tokenizer not listed is refused: llama.cpp would split text its own
+# way and tokenise differently from the model's tokenizer.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+PRE_TOKENIZERS = {
+    (("ByteLevel", True),): "gpt-2",
+    (("Digits", True), ("ByteLevel", True)): "smollm",
+    (("Split", _LLAMA3_SPLIT), ("ByteLevel", False)): "llama-bpe",
+    (("Split", _QWEN2_SPLIT), ("ByteLevel", False)): "qwen2",
+}
+
+
+def _pre_step(step: dict) -> tuple:
+    kind = step.get("type")
+    if kind == "ByteLevel":
+        return kind, bool(step.get("use_regex", True))
+    if kind == "Digits":
+        return kind, bool(step.get("individual_digits", False))
+    if kind == "Split":
+        pattern = step.get("pattern", {})
+        return kind, pattern.get("Regex", pattern.get("String"))
+    return (kind,)
+
+
+def pre_tokenizer_name(tok: dict, path: Path) -> str:
+    """llama.cpp's name (`tokenizer.ggml.pre`) for the pre-tokenizer of a byte-level BPE tokenizer.json; a clear error
+    for one llama.cpp does not split the same way (a Metaspace / SentencePiece tokenizer, an unknown regex)."""
+    pre = tok.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    key = tuple(_pre_step(s) for s in steps)
+    if key not in PRE_TOKENIZERS:
+        raise ValueError(f"gguf export: the pre-tokenizer of {path} ({', '.join(str(k[0]) for k in key) or 'none'}) "
+                         f"is not one llama.cpp is known here to split the same way (byte-level BPE as "
+                         f"{', '.join(sorted(PRE_TOKENIZERS.values()))}); llama.cpp would tokenise text differently "
+                         "from the model, so no GGUF is written")
+    return PRE_TOKENIZERS[key]
+
+
 def _add_tokenizer(writer, src: Path, config: dict) -> None:
-    """A byte-level BPE vocabulary (tokens, types, merges, special ids) from the hybrid's tokenizer.json."""
+    """The tokenizer as llama.cpp reads it: a byte-level BPE vocabulary (tokens, types, merges) from the hybrid's
+    tokenizer.json, its pre-tokenizer, special ids, BOS/EOS flags and chat template. What `convert` recorded from a
+    GGUF teacher (its own `tokenizer.ggml.*` values) wins over what is derived from the tokenizer files."""
+    from transformers import AutoTokenizer
+
     path = src / "tokenizer.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: GGUF needs the tokenizer; re-run `convert` (it saves one)")
     tok = json.loads(path.read_text())
     model = tok["model"]
-    if model.get("type") != "BPE":
-        raise ValueError(f"gguf export supports byte-level BPE tokenizers; {path} is {model.get('type')}")
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        kind = "byte-fallback BPE (SentencePiece)" if model.get("type") == "BPE" else model.get("type")
+        raise ValueError(f"gguf export writes byte-level BPE tokenizers; {path} is {kind}, which this exporter does "
+                         "not write for llama.cpp")
+    tcfg_path = src / "tokenizer_config.json"
+    recorded = json.loads(tcfg_path.read_text()).get(GGUF_TOKENIZER_KEY, {}) if tcfg_path.exists() else {}
+    if recorded.get("tokenizer.ggml.model", "gpt2") != "gpt2":
+        raise ValueError(f"gguf export: the teacher's GGUF tokenizer is {recorded['tokenizer.ggml.model']!r}; this "
+                         "exporter writes byte-level BPE ('gpt2') only")
+    pre = recorded.get("tokenizer.ggml.pre") or pre_tokenizer_name(tok, path)
     vocab = dict(model["vocab"])
-    special = {}
-    for t in tok.get("added_tokens", []):
-        vocab[t["content"]] = t["id"]
-        if t.get("special"):
-            special[t["content"]] = t["id"]
+    added = {t["content"]: bool(t.get("special")) for t in tok.get("added_tokens", [])}
+    vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
     n = max(config["vocab_size"], max(vocab.values()) + 1)
     tokens = [f"[PAD{i}]" for i in range(n)]
     types = [5] * n  # gguf.TokenType.UNUSED for ids the tokenizer does not use (an embedding padded to a round size)
     for t, i in vocab.items():
         tokens[i] = t
-        types[i] = 3 if t in special else 1  # CONTROL / NORMAL
+        types[i] = (3 if added[t] else 4) if t in added else 1  # CONTROL / USER_DEFINED / NORMAL
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
-                     ("pad_token_id", writer.add_pad_token_id)):
-        v = config.get(key)
-        if isinstance(v, list):
-            v = v[0]
+    hf = AutoTokenizer.from_pretrained(src)
+    ids, plain = hf("a").input_ids, hf("a", add_special_tokens=False).input_ids
+    derived = {"bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id, "unknown_token_id": hf.unk_token_id,
+               "padding_token_id": hf.pad_token_id,
+               "add_bos_token": len(ids) > len(plain) and ids[0] == hf.bos_token_id,
+               "add_eos_token": len(ids) > len(plain) and ids[-1] == hf.eos_token_id}
+    for key, fallback in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                          ("padding_token_id", "pad_token_id")):
+        if derived[key] is None:
+            v = config.get(fallback)
+            derived[key] = v[0] if isinstance(v, list) else v
+    adders = {"bos_token_id": writer.add_bos_token_id, "eos_token_id": writer.add_eos_token_id,
+              "unknown_token_id": writer.add_unk_token_id, "padding_token_id": writer.add_pad_token_id,
+              "add_bos_token": writer.add_add_bos_token, "add_eos_token": writer.add_add_eos_token,
+              "add_space_prefix": writer.add_add_space_prefix}
+    for key, add in adders.items():
+        v = recorded.get(f"tokenizer.ggml.{key}", derived.get(key))
         if v is not None:
-            add(int(v))
+            add(v if isinstance(v, bool) else int(v))
+    if getattr(hf, "chat_template", None):
+        writer.add_chat_template(hf.chat_template)
 
 
 def export_gguf(model_dir: str | Path, out_dir: str | Path) -> Path:
