@@ -28,6 +28,7 @@ log = logging.getLogger("taylor_calibrate")
 
 ARCH = "qwen35"
 GGUF_NAME = "model.gguf"
+FTYPES = {"f32": np.float32, "f16": np.float16}
 
 
 def _gguf_tensor(name: str, w: torch.Tensor, tensor_map) -> tuple[str, np.ndarray]:
@@ -139,17 +140,21 @@ def _add_tokenizer(writer, src: Path, config: dict) -> None:
               "unknown_token_id": writer.add_unk_token_id, "padding_token_id": writer.add_pad_token_id,
               "add_bos_token": writer.add_add_bos_token, "add_eos_token": writer.add_add_eos_token,
               "add_space_prefix": writer.add_add_space_prefix}
+    values = {k: recorded.get(f"tokenizer.ggml.{k}") for k in adders} if recorded else derived
     for key, add in adders.items():
-        v = recorded.get(f"tokenizer.ggml.{key}", derived.get(key))
+        v = values.get(key)
         if v is not None:
             add(v if isinstance(v, bool) else int(v))
     if getattr(hf, "chat_template", None):
         writer.add_chat_template(hf.chat_template)
 
 
-def export_gguf(model_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write `out_dir`/model.gguf (fp32) for llama.cpp's qwen35 from the hybrid in `model_dir`. Refuses what Qwen3.5
-    cannot express (qwen3_5.check_exportable) and RoPE scaling llama.cpp's qwen35 does not read here."""
+def export_gguf(model_dir: str | Path, out_dir: str | Path, ftype: str = "f32") -> Path:
+    """Write `out_dir`/model.gguf for llama.cpp's qwen35 from the hybrid in `model_dir`. Refuses what Qwen3.5 cannot
+    express (qwen3_5.check_exportable) and RoPE scaling llama.cpp's qwen35 does not read here. `ftype` "f16" stores
+    the weight matrices as float16 (half the file; norms, gates, A, dt bias and the conv kernel stay fp32)."""
+    if ftype not in FTYPES:
+        raise ValueError(f"gguf export: ftype {ftype!r} is not one of {sorted(FTYPES)}")
     import gguf
 
     src, out = Path(model_dir), Path(out_dir)
@@ -187,12 +192,13 @@ def export_gguf(model_dir: str | Path, out_dir: str | Path) -> Path:
         writer.add_array(f"{ARCH}.attention.recurrent_layers", [t == GDN_TYPE for t in cfg.layer_types])
         if "full_attention_interval" in config:
             writer.add_full_attention_interval(config["full_attention_interval"])
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32 if ftype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
         _add_tokenizer(writer, src, config)
         tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, n_layers)
         for name, w in weights.items():
             gname, arr = _gguf_tensor(name, w, tensor_map)
-            writer.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+            half = arr.ndim == 2 and not gname.endswith("ssm_conv1d.weight")  # llama.cpp's conv op reads fp32
+            writer.add_tensor(gname, np.ascontiguousarray(arr, dtype=FTYPES[ftype] if half else np.float32))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -201,5 +207,5 @@ def export_gguf(model_dir: str | Path, out_dir: str | Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("exported %s -> %s (GGUF %s, fp32)", src, out / GGUF_NAME, ARCH)
+    log.info("exported %s -> %s (GGUF %s, %s)", src, out / GGUF_NAME, ARCH, ftype)
     return out / GGUF_NAME
