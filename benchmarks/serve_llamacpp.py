@@ -13,7 +13,7 @@ Three steps, because the GPU machine has no network and no copy of this package'
 
   python benchmarks/serve_llamacpp.py prepare --hybrid runs/hybrid --stage STAGE
   python benchmarks/serve_llamacpp.py device --stage STAGE --build BUILD --out OUT      # on the GPU machine
-  python benchmarks/serve_llamacpp.py collect --stage STAGE --device_out OUT --out benchmarks/results/X.json
+  python benchmarks/serve_llamacpp.py collect --ours STAGE/ours.json --device_out OUT --shapes JSON --out X.json
 """
 from __future__ import annotations
 
