@@ -32,7 +32,8 @@ from taylor_calibrate.policy import (ON_HYBRIDS, RETRIEVAL, SCORED, combined_sco
 from taylor_calibrate.results import record
 from taylor_calibrate.retrieval import answer_scores, calibration_probes, eval_probes, probe_length
 from taylor_calibrate.stats import attention_targets, collect_stats, far_weights, retrieval_heads, store_device_for
-from taylor_calibrate.teacher import Teacher, load_teacher, resolve_device, resolve_dtype
+from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, Teacher, gguf_tokenizer_metadata, load_teacher,
+                                      resolve_device, resolve_dtype, teacher_gguf_path)
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -343,6 +344,9 @@ def run_convert(args: ConvertArgs) -> dict:
     with staged_dir(args.out) as tmp:  # model, tokenizer and report appear together, or not at all
         with clock("save"):
             conv.hybrid.save_pretrained(tmp, safe_serialization=True)
+            gguf_path = teacher_gguf_path(args.teacher)
+            if gguf_path is not None:  # what transformers' GGUF tokenizer drops; a GGUF export writes it back
+                teacher.tokenizer.init_kwargs[GGUF_TOKENIZER_KEY] = gguf_tokenizer_metadata(gguf_path)
             teacher.tokenizer.save_pretrained(tmp)
         report["wall_s"] = clock.wall()
         report = record(tmp / REPORT, report, conv.args)

@@ -21,6 +21,8 @@ log = logging.getLogger("taylor_calibrate")
 
 DEFAULT_TEACHER = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# tokenizer_config.json key under which `convert` records a GGUF teacher's scalar tokenizer.ggml.* values
+GGUF_TOKENIZER_KEY = "gguf_tokenizer"
 
 
 @dataclass
@@ -104,6 +106,32 @@ def _locate(spec: str) -> tuple[str, dict]:
     if os.path.exists(spec) or spec.startswith((".", "/")):
         raise FileNotFoundError(f"teacher {spec!r} is neither an HF checkpoint directory nor a .gguf file")
     return spec, {}  # a hub id
+
+
+def teacher_gguf_path(spec: str) -> Path | None:
+    """The GGUF file a teacher spec loads from, or None for an HF directory or hub id."""
+    where, kw = _locate(spec)
+    return Path(where) / kw["gguf_file"] if "gguf_file" in kw else None
+
+
+def gguf_tokenizer_metadata(path: str | Path) -> dict:
+    """A GGUF's scalar `tokenizer.ggml.*` values (the pre-tokenizer's name, special ids, BOS/EOS flags), which
+    transformers' GGUF tokenizer does not keep: `convert` records them so that a GGUF export splits text as the
+    teacher's own GGUF does."""
+    import gguf
+
+    out = {}
+    for key, field in gguf.GGUFReader(str(path)).fields.items():
+        if not key.startswith("tokenizer.ggml.") or field.types[0] == gguf.GGUFValueType.ARRAY:
+            continue
+        value = field.parts[field.data[0]]
+        if field.types[0] == gguf.GGUFValueType.STRING:
+            out[key] = bytes(value).decode()
+        elif field.types[0] == gguf.GGUFValueType.BOOL:
+            out[key] = bool(value[0])
+        else:
+            out[key] = value.tolist()[0]
+    return out
 
 
 def load_tokenizer(spec: str = DEFAULT_TEACHER):

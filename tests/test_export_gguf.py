@@ -1,6 +1,7 @@
 """GGUF export for llama.cpp's qwen35 (taylor_calibrate/export/gguf.py): tensor names, shapes and metadata are the ones
 llama.cpp's loader reads; with llama-cpp-python installed, llama.cpp's logits equal our hybrid's."""
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -106,3 +107,115 @@ def test_llama_cpp_runs_the_export_like_ours(tmp_path, gdn_layers, short_conv):
     theirs_greedy = [next(out) for _ in range(6)]
     ours_greedy = hybrid.generate(torch.tensor([ids[:8]]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, 8:]
     assert theirs_greedy == ours_greedy.tolist()
+
+
+# --- the tokenizer llama.cpp reads: pre-tokenizer, special ids and flags ------------------------------------------
+
+def _family_tokenizer(family, texts):
+    """A tiny byte-level BPE tokenizer with the pre-tokenizer of a supported teacher family (tokenizer.json form)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from taylor_calibrate.export.gguf import _LLAMA3_SPLIT, _QWEN2_SPLIT
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    pre = {"gpt-2": pre_tokenizers.ByteLevel(add_prefix_space=False),
+           "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                              pre_tokenizers.ByteLevel(add_prefix_space=False)]),
+           "llama-bpe": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"), byte_level]),
+           "qwen2": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated"), byte_level])}[family]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+FAMILIES = ("gpt-2", "smollm", "llama-bpe", "qwen2")
+# digits, contractions, runs of spaces and newlines, punctuation, non-ASCII: where the pre-tokenizers differ
+TEXT = ("The river's 12345 stones don't move;  they've   waited 2024 years.\n\n\tdef f(x):\n        return x+1  # ok\n"
+        "Grüße, naïve café — 3.14159 and 1,000,000!\r\n  end  ")
+
+
+def export_family(tmp_path, family):
+    texts = [p.read_text() for p in sorted(tiny_corpus(tmp_path / "corpus").iterdir())]
+    tok = _family_tokenizer(family, texts)
+    _, hybrid = tiny_hybrid(gdn_layers=(0, 1, 2), vocab_size=VOCAB)
+    save_hybrid(hybrid, tok, tmp_path / "hybrid")
+    return tok, export_gguf(tmp_path / "hybrid", tmp_path / "gguf")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_names_the_pre_tokenizer_of_each_family(tmp_path, family):
+    _, path = export_family(tmp_path, family)
+    r = gguf.GGUFReader(str(path))
+    assert _field(r, "tokenizer.ggml.pre") == family
+    assert _field(r, "tokenizer.ggml.model") == "gpt2"
+    assert _field(r, "tokenizer.ggml.eos_token_id") == 0 and _field(r, "tokenizer.ggml.add_bos_token") is False
+
+
+def test_gguf_refuses_a_pre_tokenizer_llama_cpp_would_split_differently(tmp_path):
+    from tokenizers import pre_tokenizers
+
+    tok = _family_tokenizer("gpt-2", [p.read_text() for p in sorted(tiny_corpus(tmp_path / "corpus").iterdir())])
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Punctuation(),
+                                                                   pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    _, hybrid = tiny_hybrid(gdn_layers=(0, 1, 2), vocab_size=VOCAB)
+    save_hybrid(hybrid, tok, tmp_path / "hybrid")
+    with pytest.raises(ValueError, match="Punctuation, ByteLevel.*no GGUF is written"):
+        export_gguf(tmp_path / "hybrid", tmp_path / "gguf")
+    assert not (tmp_path / "gguf").exists()
+
+
+def _llama_cpp_tokenize(path, text):
+    """Token ids llama.cpp gives `text` (no BOS), through llama-cpp-python or a `llama-tokenize` binary; None when
+    neither is here."""
+    import os
+    import shutil
+    import subprocess
+
+    if importlib.util.find_spec("llama_cpp") is not None:
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        return llm.tokenize(text.encode(), add_bos=False, special=False)
+    binary = os.environ.get("LLAMA_TOKENIZE") or shutil.which("llama-tokenize")
+    if binary is None:
+        return None
+    out = subprocess.run([binary, "-m", str(path), "--stdin", "--ids", "--no-bos", "--log-disable"], input=text,
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpp_tokenises_text_like_the_model(tmp_path, family):
+    """Text, not ids: llama.cpp's own tokeniser on the exported GGUF gives the model tokenizer's ids."""
+    tok, path = export_family(tmp_path, family)
+    theirs = _llama_cpp_tokenize(path, TEXT)
+    if theirs is None:
+        pytest.skip("neither llama-cpp-python nor llama-tokenize (PATH or $LLAMA_TOKENIZE) is here")
+    assert theirs == tok(TEXT, add_special_tokens=False).input_ids
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_metadata_equals_the_embedded_teachers(tmp_path):
+    """The embedded teacher (a GGUF, pre-tokenizer `smollm`): convert records its tokenizer.ggml.* scalars, and the
+    export carries every tokenizer.* value of the teacher's GGUF unchanged."""
+    from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, embedded_teacher_path, gguf_tokenizer_metadata,
+                                          load_tokenizer)
+
+    teacher = embedded_teacher_path()
+    tok = load_tokenizer("smollm2-135m")
+    tok.init_kwargs[GGUF_TOKENIZER_KEY] = gguf_tokenizer_metadata(teacher)
+    _, hybrid = tiny_hybrid(gdn_layers=(0, 1, 2), vocab_size=len(tok))
+    save_hybrid(hybrid, tok, tmp_path / "hybrid")
+    path = export_gguf(tmp_path / "hybrid", tmp_path / "gguf")
+    theirs, ours = gguf.GGUFReader(str(teacher)), gguf.GGUFReader(str(path))
+    keys = sorted(k for k in theirs.fields if k.startswith("tokenizer."))
+    assert "tokenizer.ggml.pre" in keys and "tokenizer.chat_template" in keys
+    assert sorted(k for k in ours.fields if k.startswith("tokenizer.")) == keys
+    for k in keys:
+        assert _field(ours, k) == _field(theirs, k), k
+    assert _field(ours, "tokenizer.ggml.pre") == "smollm"

@@ -5,7 +5,8 @@ changes llama.cpp's loader expects: RMSNorm weights stored as the multiplier w (
 GDN's gated norm is already w), `A_log` stored as A = -exp(A_log) (`ssm_a`), `dt_bias` as `ssm_dt.bias`, and the
 depthwise conv kernel as (channels, K). The layer pattern goes in `qwen35.attention.recurrent_layers` (any pattern;
 llama.cpp builds that read it) and, when periodic, also `qwen35.full_attention_interval` (older builds read only
-that). The tokenizer goes in as a byte-level BPE ("gpt2") vocabulary from tokenizer.json.
+that). The tokenizer goes in as a byte-level BPE ("gpt2") vocabulary from tokenizer.json with the pre-tokenizer
+llama.cpp needs to split text as the model's tokenizer does (recorded from a GGUF teacher, or named from tokenizer.json).
 """
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from taylor_calibrate.model.hybrid_config import MIXER_TYPE
 from taylor_calibrate.export.qwen3_5 import _load_hybrid_files, qwen3_5_config, qwen3_5_state_dict
+from taylor_calibrate.model.hybrid_config import MIXER_TYPE
+from taylor_calibrate.teacher import GGUF_TOKENIZER_KEY
 
 log = logging.getLogger("taylor_calibrate")
 
 ARCH = "qwen35"
 GGUF_NAME = "model.gguf"
+FTYPES = {"f32": np.float32, "f16": np.float16}
 
 
 def _gguf_tensor(name: str, w: torch.Tensor, tensor_map) -> tuple[str, np.ndarray]:
@@ -46,45 +49,112 @@ def _gguf_tensor(name: str, w: torch.Tensor, tensor_map) -> tuple[str, np.ndarra
     return f"{mapped}.{suffix}", w.numpy()
 
 
+# tokenizer.json's pre-tokenizer (its steps, reduced to what decides the split) -> llama.cpp's name for the same split
+# (`tokenizer.ggml.pre`, llama-vocab.cpp). A pre-tokenizer not listed is refused: llama.cpp would split text its own
+# way and tokenise differently from the model's tokenizer.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+PRE_TOKENIZERS = {
+    (("ByteLevel", True),): "gpt-2",
+    (("Digits", True), ("ByteLevel", True)): "smollm",
+    (("Split", _LLAMA3_SPLIT), ("ByteLevel", False)): "llama-bpe",
+    (("Split", _QWEN2_SPLIT), ("ByteLevel", False)): "qwen2",
+}
+
+
+def _pre_step(step: dict) -> tuple:
+    kind = step.get("type")
+    if kind == "ByteLevel":
+        return kind, bool(step.get("use_regex", True))
+    if kind == "Digits":
+        return kind, bool(step.get("individual_digits", False))
+    if kind == "Split":
+        pattern = step.get("pattern", {})
+        return kind, pattern.get("Regex", pattern.get("String"))
+    return (kind,)
+
+
+def pre_tokenizer_name(tok: dict, path: Path) -> str:
+    """llama.cpp's name (`tokenizer.ggml.pre`) for the pre-tokenizer of a byte-level BPE tokenizer.json; a clear error
+    for one llama.cpp does not split the same way (a Metaspace / SentencePiece tokenizer, an unknown regex)."""
+    pre = tok.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    key = tuple(_pre_step(s) for s in steps)
+    if key not in PRE_TOKENIZERS:
+        raise ValueError(f"gguf export: the pre-tokenizer of {path} ({', '.join(str(k[0]) for k in key) or 'none'}) "
+                         f"is not one llama.cpp is known here to split the same way (byte-level BPE as "
+                         f"{', '.join(sorted(PRE_TOKENIZERS.values()))}); llama.cpp would tokenise text differently "
+                         "from the model, so no GGUF is written")
+    return PRE_TOKENIZERS[key]
+
+
 def _add_tokenizer(writer, src: Path, config: dict) -> None:
-    """A byte-level BPE vocabulary (tokens, types, merges, special ids) from the hybrid's tokenizer.json."""
+    """The tokenizer as llama.cpp reads it: a byte-level BPE vocabulary (tokens, types, merges) from the hybrid's
+    tokenizer.json, its pre-tokenizer, special ids, BOS/EOS flags and chat template. What `convert` recorded from a
+    GGUF teacher (its own `tokenizer.ggml.*` values) wins over what is derived from the tokenizer files."""
+    from transformers import AutoTokenizer
+
     path = src / "tokenizer.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: GGUF needs the tokenizer; re-run `convert` (it saves one)")
     tok = json.loads(path.read_text())
     model = tok["model"]
-    if model.get("type") != "BPE":
-        raise ValueError(f"gguf export supports byte-level BPE tokenizers; {path} is {model.get('type')}")
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        kind = "byte-fallback BPE (SentencePiece)" if model.get("type") == "BPE" else model.get("type")
+        raise ValueError(f"gguf export writes byte-level BPE tokenizers; {path} is {kind}, which this exporter does "
+                         "not write for llama.cpp")
+    tcfg_path = src / "tokenizer_config.json"
+    recorded = json.loads(tcfg_path.read_text()).get(GGUF_TOKENIZER_KEY, {}) if tcfg_path.exists() else {}
+    if recorded.get("tokenizer.ggml.model", "gpt2") != "gpt2":
+        raise ValueError(f"gguf export: the teacher's GGUF tokenizer is {recorded['tokenizer.ggml.model']!r}; this "
+                         "exporter writes byte-level BPE ('gpt2') only")
+    pre = recorded.get("tokenizer.ggml.pre") or pre_tokenizer_name(tok, path)
     vocab = dict(model["vocab"])
-    special = {}
-    for t in tok.get("added_tokens", []):
-        vocab[t["content"]] = t["id"]
-        if t.get("special"):
-            special[t["content"]] = t["id"]
+    added = {t["content"]: bool(t.get("special")) for t in tok.get("added_tokens", [])}
+    vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
     n = max(config["vocab_size"], max(vocab.values()) + 1)
     tokens = [f"[PAD{i}]" for i in range(n)]
     types = [5] * n  # gguf.TokenType.UNUSED for ids the tokenizer does not use (an embedding padded to a round size)
     for t, i in vocab.items():
         tokens[i] = t
-        types[i] = 3 if t in special else 1  # CONTROL / NORMAL
+        types[i] = (3 if added[t] else 4) if t in added else 1  # CONTROL / USER_DEFINED / NORMAL
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
-                     ("pad_token_id", writer.add_pad_token_id)):
-        v = config.get(key)
-        if isinstance(v, list):
-            v = v[0]
+    hf = AutoTokenizer.from_pretrained(src)
+    ids, plain = hf("a").input_ids, hf("a", add_special_tokens=False).input_ids
+    derived = {"bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id, "unknown_token_id": hf.unk_token_id,
+               "padding_token_id": hf.pad_token_id,
+               "add_bos_token": len(ids) > len(plain) and ids[0] == hf.bos_token_id,
+               "add_eos_token": len(ids) > len(plain) and ids[-1] == hf.eos_token_id}
+    for key, fallback in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                          ("padding_token_id", "pad_token_id")):
+        if derived[key] is None:
+            v = config.get(fallback)
+            derived[key] = v[0] if isinstance(v, list) else v
+    adders = {"bos_token_id": writer.add_bos_token_id, "eos_token_id": writer.add_eos_token_id,
+              "unknown_token_id": writer.add_unk_token_id, "padding_token_id": writer.add_pad_token_id,
+              "add_bos_token": writer.add_add_bos_token, "add_eos_token": writer.add_add_eos_token,
+              "add_space_prefix": writer.add_add_space_prefix}
+    values = {k: recorded.get(f"tokenizer.ggml.{k}") for k in adders} if recorded else derived
+    for key, add in adders.items():
+        v = values.get(key)
         if v is not None:
-            add(int(v))
+            add(v if isinstance(v, bool) else int(v))
+    if getattr(hf, "chat_template", None):
+        writer.add_chat_template(hf.chat_template)
 
 
-def export_gguf(model_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write `out_dir`/model.gguf (fp32) for llama.cpp's qwen35 from the hybrid in `model_dir`. Refuses what Qwen3.5
-    cannot express (qwen3_5.check_exportable) and RoPE scaling llama.cpp's qwen35 does not read here."""
+def export_gguf(model_dir: str | Path, out_dir: str | Path, ftype: str = "f32") -> Path:
+    """Write `out_dir`/model.gguf for llama.cpp's qwen35 from the hybrid in `model_dir`. Refuses what Qwen3.5 cannot
+    express (qwen3_5.check_exportable) and RoPE scaling llama.cpp's qwen35 does not read here. `ftype` "f16" stores
+    the weight matrices as float16 (half the file; norms, gates, A, dt bias and the conv kernel stay fp32)."""
+    if ftype not in FTYPES:
+        raise ValueError(f"gguf export: ftype {ftype!r} is not one of {sorted(FTYPES)}")
     import gguf
 
     src, out = Path(model_dir), Path(out_dir)
@@ -122,12 +192,13 @@ def export_gguf(model_dir: str | Path, out_dir: str | Path) -> Path:
         writer.add_array(f"{ARCH}.attention.recurrent_layers", [t == MIXER_TYPE for t in cfg.layer_types])
         if "full_attention_interval" in config:
             writer.add_full_attention_interval(config["full_attention_interval"])
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32 if ftype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
         _add_tokenizer(writer, src, config)
         tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, n_layers)
         for name, w in weights.items():
             gname, arr = _gguf_tensor(name, w, tensor_map)
-            writer.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+            half = arr.ndim == 2 and not gname.endswith("ssm_conv1d.weight")  # llama.cpp's conv op reads fp32
+            writer.add_tensor(gname, np.ascontiguousarray(arr, dtype=FTYPES[ftype] if half else np.float32))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -136,5 +207,5 @@ def export_gguf(model_dir: str | Path, out_dir: str | Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("exported %s -> %s (GGUF %s, fp32)", src, out / GGUF_NAME, ARCH)
+    log.info("exported %s -> %s (GGUF %s, %s)", src, out / GGUF_NAME, ARCH, ftype)
     return out / GGUF_NAME

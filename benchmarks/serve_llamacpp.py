@@ -1,0 +1,443 @@
+"""Serve the teacher's GGUF and the exported hybrid's in llama.cpp (CUDA) and compare them in the same engine.
+
+Three steps, because the GPU machine has no network and no copy of this package's environment:
+
+  prepare (here, CPU): export the hybrid (`convert --target qwen3_5`) to an f16 GGUF, write held-out text, score our
+      class on it the way llama-perplexity does (chunks of --ctx tokens, the second half of each scored), greedy
+      tokens of our class on --prompts prompts, and cut the two GGUFs into parts small enough to carry.
+  device (the H200; llama.cpp built by benchmarks/build_llamacpp.sh): the teacher requantised to the hybrid's
+      weight type (f16) with llama-quantize, llama-perplexity on both, llama.cpp's own tokenisation and greedy tokens
+      through llama-cpp-python's ctypes binding on the built library, and llama-batched-bench over context x parallel
+      sequences (prompt and decode tokens/s; KV and recurrent-state bytes from the context's own log).
+  collect (here): one results JSON (commit, dirty flag, args, environment) and a table.
+
+  python benchmarks/serve_llamacpp.py prepare --hybrid runs/hybrid --stage STAGE
+  python benchmarks/serve_llamacpp.py device --stage STAGE --build BUILD --out OUT      # on the GPU machine
+  python benchmarks/serve_llamacpp.py collect --ours STAGE/ours.json --device_out OUT --shapes JSON --out X.json
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PART_BYTES = 50_000_000  # under the 64 MiB a GPU call carries
+MIB = 2 ** 20
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def split_file(path: Path, out_dir: Path) -> list[str]:
+    """Cut `path` into PART_BYTES pieces named NAME.partK under out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+    with open(path, "rb") as f:
+        for k, block in enumerate(iter(lambda: f.read(PART_BYTES), b"")):
+            name = f"{path.name}.part{k}"
+            (out_dir / name).write_bytes(block)
+            names.append(name)
+    return names
+
+
+# ----------------------------------------------------------------------------------------------------- prepare
+
+def heldout_text(n_bytes: int) -> str:
+    """Held-out documents of the default corpus (the split `convert` measured its held-out perplexity on), joined."""
+    from taylor_calibrate.data import CorpusSpec, load_documents, split_documents
+
+    spec = CorpusSpec()
+    _, heldout = split_documents(load_documents(spec), spec.heldout_fraction, source=spec.source)
+    parts, size = [], 0
+    for _, text in heldout:
+        parts.append(text)
+        size += len(text.encode())
+        if size >= n_bytes:
+            break
+    return "\n\n".join(parts)
+
+
+def token_bytes(tokenizer, ids) -> list[int]:
+    """Bytes each token stands for (byte-level BPE: the token's characters through the byte map)."""
+    return [len(tokenizer.convert_tokens_to_string([t]).encode()) for t in tokenizer.convert_ids_to_tokens(ids)]
+
+
+def perplexity_like_llama_cpp(model, ids: list[int], ctx: int, chunks: int, bos: int | None, device="cpu") -> dict:
+    """llama-perplexity's scheme: consecutive chunks of `ctx` tokens (BOS in the first slot when the vocabulary adds
+    one), the last ctx/2 - 1 predictions of each chunk scored. Returns PPL, the scored token count and the nll sum."""
+    import torch
+
+    first, nll, count, scored = ctx // 2, 0.0, 0, []
+    n = min(chunks, len(ids) // ctx)
+    for i in range(n):
+        chunk = list(ids[i * ctx:(i + 1) * ctx])
+        if bos is not None:
+            chunk[0] = bos
+        with torch.no_grad():
+            logits = model(torch.tensor([chunk], device=device), use_cache=False).logits[0].double()
+        logp = torch.log_softmax(logits[first:ctx - 1], -1)
+        target = torch.tensor(chunk[first + 1:ctx], device=device)
+        nll -= logp.gather(1, target[:, None]).sum().item()
+        count += ctx - 1 - first
+        scored.extend(range(i * ctx + first + 1, (i + 1) * ctx))
+    return {"ppl": math.exp(nll / count), "nll": nll, "tokens": count, "chunks": n, "scored_positions": scored}
+
+
+def run_prepare(a) -> None:
+    import torch
+
+    from taylor_calibrate.export.gguf import export_gguf
+    from taylor_calibrate.teacher import embedded_teacher_path, load_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    stage = Path(a.stage)
+    stage.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(a.threads)
+    gguf_dir = stage / "hybrid_gguf"
+    if not gguf_dir.exists():
+        export_gguf(a.hybrid, gguf_dir, ftype="f16")
+    if a.f32 and not (stage / "hybrid_f32_gguf").exists():  # the fidelity reference: fp32 weights
+        export_gguf(a.hybrid, stage / "hybrid_f32_gguf", ftype="f32")
+    hybrid_gguf = gguf_dir / "model.gguf"
+    teacher_gguf = Path(a.teacher_gguf) if a.teacher_gguf else embedded_teacher_path()
+    text = heldout_text(a.text_bytes)
+    (stage / "heldout.txt").write_text(text)
+    tok = load_tokenizer(a.hybrid)
+    ids = tok(text, add_special_tokens=False).input_ids
+    model = AutoModelForCausalLM.from_pretrained(a.hybrid, dtype=torch.float32).eval().to(a.device)
+    t = time.perf_counter()
+    ppl = perplexity_like_llama_cpp(model, ids, a.ctx, a.chunks, None, a.device)
+    nbytes = token_bytes(tok, ids)
+    scored_bytes = sum(nbytes[p] for p in ppl.pop("scored_positions"))
+    ppl["loss_per_byte"] = ppl["nll"] / scored_bytes
+    ppl["scored_bytes"] = scored_bytes
+    ppl["seconds"] = time.perf_counter() - t
+    prompts, greedy = [], []
+    docs = [d for d in text.split("\n\n") if len(d) > 400][:a.prompts]
+    for d in docs:
+        p_ids = tok(d, add_special_tokens=False).input_ids[:a.prompt_tokens]
+        prompt = tok.decode(p_ids)
+        p_ids = tok(prompt, add_special_tokens=False).input_ids
+        out = model.generate(torch.tensor([p_ids], device=a.device), max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
+                             do_sample=False)[0, len(p_ids):]
+        prompts.append({"text": prompt, "ids": p_ids})
+        greedy.append(out.tolist())
+    ours = {"hybrid": a.hybrid, "text_ids": ids, "ppl": ppl, "prompts": prompts, "greedy": greedy,
+            "ctx": a.ctx, "chunks": a.chunks, "new_tokens": a.new_tokens,
+            "hybrid_gguf": {"name": hybrid_gguf.name, "sha256": sha256(hybrid_gguf), "bytes": hybrid_gguf.stat().st_size},
+            "teacher_gguf": {"name": teacher_gguf.name, "sha256": sha256(teacher_gguf),
+                             "bytes": teacher_gguf.stat().st_size}}
+    ours["device"] = a.device
+    (stage / "ours.json").write_text(json.dumps(ours))
+    print(json.dumps({k: v for k, v in ours.items() if k not in ("text_ids", "prompts", "greedy")}, indent=1))
+    if a.split:  # to carry the two GGUFs to a GPU machine in calls of at most 64 MiB
+        parts = {"hybrid": split_file(hybrid_gguf, stage / "parts"), "teacher": split_file(teacher_gguf, stage / "parts")}
+        print(json.dumps(parts))
+
+
+# ------------------------------------------------------------------------------------------------------ device
+
+def _run(cmd: list[str], log: Path, timeout: float) -> str:
+    """Run a llama.cpp tool; its whole output goes to `log` and is returned."""
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out, rc = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace"), "timeout"
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{out}\n# rc={rc} seconds={time.perf_counter() - t:.1f}\n")
+    return out
+
+
+def memory_bytes(log: str) -> dict:
+    """KV cache and recurrent-state sizes as llama.cpp prints them when it creates the context (MiB)."""
+    kv = [float(m) for m in re.findall(r"llama_kv_cache: size = +([\d.]+) MiB", log)]
+    rs = [float(m) for m in re.findall(r"llama_memory_recurrent: size = +([\d.]+) MiB", log)]
+    return {"kv_bytes": int(sum(kv) * MIB), "recurrent_bytes": int(sum(rs) * MIB),
+            "mem_bytes": int((sum(kv) + sum(rs)) * MIB)}
+
+
+def engine_checks(model: Path, ours: dict, ctx: int, kv_f32: bool) -> dict:
+    """Through llama.cpp's own tokeniser and graph (llama-cpp-python's ctypes binding on the built library): the
+    held-out text's token ids against ours, and greedy tokens from each prompt's text against our class's."""
+    import llama_cpp
+
+    text = (Path(os.environ["SERVE_STAGE"]) / "heldout.txt").read_text()
+    kv = {"type_k": 0, "type_v": 0} if kv_f32 else {}  # GGML_TYPE_F32
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=ctx, n_gpu_layers=-1, verbose=False, seed=0, **kv)
+    ids = llm.tokenize(text.encode(), add_bos=False, special=False)
+    out = {"kv_f32": kv_f32, "text_tokens": len(ids), "text_ids_equal": ids == ours["text_ids"],
+           "text_first_mismatch": next((i for i, (x, y) in enumerate(zip(ids, ours["text_ids"])) if x != y), None),
+           "prompts": []}
+    if out["text_first_mismatch"] is not None:
+        i = out["text_first_mismatch"]
+        out["text_mismatch_pieces"] = [llm.detokenize([t]).decode(errors="replace") for t in ids[max(0, i - 2):i + 3]]
+    first = ctx // 2
+    n = min(ours["chunks"], len(ids) // ctx)
+    scored = [p for i in range(n) for p in range(i * ctx + first + 1, (i + 1) * ctx)]
+    out["scored_bytes"] = sum(len(llm.detokenize([ids[p]])) for p in scored)
+    out["scored_tokens"] = len(scored)
+    for p, want in zip(ours["prompts"], ours["greedy"]):
+        p_ids = llm.tokenize(p["text"].encode(), add_bos=False, special=False)
+        llm.reset()
+        got = []
+        for t in llm.generate(p["ids"], temp=0.0, top_k=1, reset=True):  # our prompt ids: greedy alone is compared
+            got.append(int(t))
+            if len(got) == len(want):
+                break
+        out["prompts"].append({"prompt_ids_equal": p_ids == p["ids"], "greedy": got,
+                               "agree": sum(x == y for x, y in zip(got, want)), "n": len(want),
+                               "first_divergence": next((i for i, (x, y) in enumerate(zip(got, want)) if x != y),
+                                                        None)})
+    del llm
+    return out
+
+
+def run_device(a) -> None:
+    stage, build, out = Path(a.stage), Path(a.build), Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["SERVE_STAGE"] = str(stage)
+    log = out / "llama_log.txt"
+    ours = json.loads((stage / "ours.json").read_text())
+    bin_ = build / "bin"
+    res_path = out / "device.json"
+    res = json.loads(res_path.read_text()) if res_path.exists() else {}
+
+    def save():
+        res_path.write_text(json.dumps(res, indent=1))
+
+    models = {"teacher": stage / "teacher_f16.gguf", "hybrid": stage / "hybrid_gguf" / ours["hybrid_gguf"]["name"]}
+    hybrid_f32 = stage / "hybrid_f32_gguf" / "model.gguf"
+    if not models["teacher"].exists():
+        _run([str(bin_ / "llama-quantize"), "--allow-requantize", str(a.teacher_gguf),
+              str(models["teacher"]), "F16"], log, 300)
+    res["teacher_requantised"] = f"{ours['teacher_gguf']['name']} -> F16 (llama-quantize --allow-requantize)"
+    res.setdefault("nvidia_smi", subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                                 "--format=csv,noheader"], capture_output=True, text=True).stdout)
+    if "ppl" in a.parts:  # the served setting (f16 weights, f16 KV), then f32 KV, then f32 weights (fidelity)
+        res.setdefault("ppl", {})
+        variants = [("teacher", models["teacher"], False), ("hybrid", models["hybrid"], False),
+                    ("hybrid_kv_f32", models["hybrid"], True), ("hybrid_f32_kv_f32", hybrid_f32, True)]
+        for name, path, kv_f32 in variants:
+            if name in res["ppl"] or not path.exists():
+                continue
+            cmd = [str(bin_ / "llama-perplexity"), "-m", str(path), "-f", str(stage / "heldout.txt"),
+                   "-c", str(ours["ctx"]), "-b", str(ours["ctx"]), "--chunks", str(ours["chunks"]), "-ngl", "99",
+                   "-fa", "on"] + (["-ctk", "f32", "-ctv", "f32"] if kv_f32 else [])
+            text = _run(cmd, log, 300)
+            m = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", text)
+            res["ppl"][name] = {"ppl": float(m.group(1)), "stderr": float(m.group(2)),
+                                "command": " ".join(cmd[1:])} if m else None
+        save()
+    if "checks" in a.parts:
+        res.setdefault("checks", {})
+        for name, path, kv_f32 in (("hybrid", models["hybrid"], False), ("hybrid_f32_kv_f32", hybrid_f32, True)):
+            if name not in res["checks"] and path.exists():
+                res["checks"][name] = engine_checks(path, ours, ours["ctx"], kv_f32)
+                save()
+    if "memory" in a.parts:  # what llama.cpp allocates for each cell's context: KV cells and recurrent states
+        res.setdefault("memory", {})
+        for ctx in a.contexts:
+            for pl in a.parallel:
+                for name, path in models.items():
+                    key = f"{name}@{ctx}x{pl}"
+                    if key in res["memory"]:
+                        continue
+                    cmd = [str(bin_ / "llama-batched-bench"), "-m", str(path), "-c", str(pl * (ctx + a.gen_tokens)),
+                           "-npp", "16", "-ntg", "1", "-npl", str(pl), "-ngl", "99", "-fa", "on", "-lv", "3"]
+                    res["memory"][key] = memory_bytes(_run(cmd, log, 120))
+                    save()
+    res.setdefault("grid", [])
+    done = {(g["model"], g["context"]) for g in res["grid"]}
+    if "grid" in a.parts:  # one llama-batched-bench per context, all parallel counts; the context holds the largest
+        for ctx in a.contexts:
+            for name, path in models.items():
+                if (name, ctx) in done:
+                    continue
+                cmd = [str(bin_ / "llama-batched-bench"), "-m", str(path), "-c", str(max(a.parallel) * (ctx + a.gen_tokens)),
+                       "-b", "2048", "-ub", "512", "-npp", str(ctx), "-ntg", str(a.gen_tokens),
+                       "-npl", ",".join(map(str, a.parallel)), "-ngl", "99", "-fa", "on", "--output-format", "jsonl"]
+                text = _run(cmd, log, a.cell_timeout)
+                rows = [json.loads(l) for l in text.splitlines() if l.startswith('{"n_kv_max"')]
+                res["grid"].append({"model": name, "context": ctx, "command": " ".join(cmd[1:]), "rows": rows})
+                save()
+    save()
+    print(json.dumps({k: v for k, v in res.items() if k != "checks"}, indent=1)[:6000])
+
+
+# ----------------------------------------------------------------------------------------------------- collect
+
+def cache_bytes(shape: dict, cells: int, seqs: int) -> dict:
+    """Bytes of the KV cache (f16 K and V for `cells` cells in every attention layer) and of the recurrent state
+    (fp32 conv window and delta-rule state per sequence in every GDN layer), as llama.cpp's kv-cache and
+    memory-recurrent modules allocate them for a GGUF of this shape."""
+    kv = cells * shape["attention_layers"] * 2 * shape["kv_dim"] * 2
+    per_seq = shape.get("gdn_layers", 0) * 4 * ((shape.get("conv_kernel", 1) - 1) * shape.get("conv_channels", 0)
+                                                 + shape.get("ssm_heads", 0) * shape.get("ssm_dk", 0) * shape.get("ssm_dv", 0))
+    return {"kv_bytes": kv, "recurrent_bytes": seqs * per_seq, "mem_bytes": kv + seqs * per_seq}
+
+
+def _merged(dirs: list[str]) -> tuple[dict, str]:
+    """device.json of several device runs, later ones filling what earlier ones lack; their llama logs joined."""
+    dev, logs = {}, ""
+    for d in dirs:
+        part = json.loads((Path(d) / "device.json").read_text())
+        for k, v in part.items():
+            if v not in (None, [], {}, ""):
+                dev[k] = v
+        if (Path(d) / "llama_log.txt").exists():
+            logs += (Path(d) / "llama_log.txt").read_text(errors="replace")
+    return dev, logs
+
+
+def run_collect(a) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from taylor_calibrate.results import record
+
+    dev, logs = _merged(a.device_out)
+    ours = json.loads(Path(a.ours).read_text())
+    shapes = json.loads(a.shapes)
+    # cells llama.cpp allocated for each memory-pass context (its n_kv_max, rounded up from the -c asked for)
+    n_kv = {}
+    for m in re.finditer(r"\$ \S*llama-batched-bench -m \S*/(teacher_f16|hybrid_gguf/model)\.gguf -c (\d+) -npp 16 -ntg 1 "
+                         r"-npl (\d+).*?n_kv_max = (\d+)", logs, re.S):
+        name = "teacher" if m.group(1).startswith("teacher") else "hybrid"
+        n_kv[(name, int(m.group(2)), int(m.group(3)))] = int(m.group(4))
+    grid = []
+    runs = {(g["model"], g["context"]): g for g in dev.get("grid", [])}
+    for ctx in sorted({g["context"] for g in dev.get("grid", [])}):
+        for pl in a.parallel:
+            row = {"context": ctx, "parallel": pl}
+            for name in ("teacher", "hybrid"):
+                r = next((r for r in (runs.get((name, ctx)) or {}).get("rows", []) if r["pl"] == pl), None)
+                row[f"{name}_decode_tok_s"] = r["speed_tg"] if r else None
+                row[f"{name}_prompt_tok_s"] = r["speed_pp"] if r else None
+                cells = n_kv.get((name, pl * (ctx + a.gen_tokens), pl))
+                mem = cache_bytes(shapes[name], cells, pl) if cells else None
+                row[f"{name}_mem_bytes"] = mem and mem["mem_bytes"]
+                row[f"{name}_kv_bytes"] = mem and mem["kv_bytes"]
+                row[f"{name}_recurrent_bytes"] = mem and mem["recurrent_bytes"]
+                row[f"{name}_cells"] = cells
+            row["decode_speedup"] = (row["hybrid_decode_tok_s"] / row["teacher_decode_tok_s"]
+                                     if row["hybrid_decode_tok_s"] and row["teacher_decode_tok_s"] else None)
+            row["prompt_speedup"] = (row["hybrid_prompt_tok_s"] / row["teacher_prompt_tok_s"]
+                                     if row["hybrid_prompt_tok_s"] and row["teacher_prompt_tok_s"] else None)
+            row["mem_ratio"] = (row["hybrid_mem_bytes"] / row["teacher_mem_bytes"]
+                                if row["hybrid_mem_bytes"] and row["teacher_mem_bytes"] else None)
+            grid.append(row)
+    ppl = {k: (v or {}).get("ppl") for k, v in dev.get("ppl", {}).items()}
+
+    def agreement(checks):
+        total = sum(p["n"] for p in checks.get("prompts", []))
+        return sum(p["agree"] for p in checks.get("prompts", [])) / total if total else None
+
+    checks = dev.get("checks", {})
+    served = checks.get("hybrid", {})
+    lpb = (served["scored_tokens"] * math.log(ppl["hybrid"]) / served["scored_bytes"]
+           if ppl.get("hybrid") and served.get("scored_bytes") else None)
+    result = {
+        "engine": "llama.cpp (CUDA, sm_90; llama-batched-bench, llama-perplexity, libllama through "
+                  "llama-cpp-python's ctypes binding), built by benchmarks/build_llamacpp.sh",
+        "version": a.engine_version,
+        "device": dev.get("nvidia_smi", "").strip(),
+        "hybrid": {"convert": a.convert_command, "gguf": ours["hybrid_gguf"], "note": a.note},
+        "teacher_gguf": ours["teacher_gguf"], "teacher_requantised": dev.get("teacher_requantised"),
+        "weights": "f16 for both (teacher: its Q4_1 GGUF requantised to F16 by llama-quantize --allow-requantize; "
+                   "hybrid: export_gguf(ftype='f16')); KV cache f16 (llama.cpp's default) unless named",
+        "ppl": {"teacher": ppl.get("teacher"), "hybrid_engine": ppl.get("hybrid"), "hybrid_ours": ours["ppl"]["ppl"],
+                "hybrid_engine_kv_f32": ppl.get("hybrid_kv_f32"),
+                "hybrid_engine_f32_weights_kv_f32": ppl.get("hybrid_f32_kv_f32"),
+                "hybrid_engine_over_ours": ppl["hybrid"] / ours["ppl"]["ppl"] if ppl.get("hybrid") else None,
+                "ctx": ours["ctx"], "chunks": ours["ppl"]["chunks"], "scored_tokens": ours["ppl"]["tokens"],
+                "ours_device": ours.get("device"),
+                "commands": {k: (v or {}).get("command") for k, v in dev.get("ppl", {}).items()}},
+        "loss_per_byte": {"hybrid_engine": lpb, "hybrid_ours": ours["ppl"]["loss_per_byte"],
+                          "engine_over_ours": lpb / ours["ppl"]["loss_per_byte"] if lpb else None,
+                          "engine_scored_bytes": served.get("scored_bytes"),
+                          "ours_scored_bytes": ours["ppl"]["scored_bytes"],
+                          "text_ids_equal": served.get("text_ids_equal"),
+                          "text_first_mismatch": served.get("text_first_mismatch"),
+                          "text_mismatch_pieces": served.get("text_mismatch_pieces")},
+        "greedy_agreement": {"f32_weights_f32_kv": agreement(checks.get("hybrid_f32_kv_f32", {})),
+                             "f16_weights_f16_kv": agreement(served)},
+        "greedy": {"prompts": len(served.get("prompts", [])), "new_tokens": ours["new_tokens"],
+                   "note": "llama.cpp generates from our prompt token ids; tokens compared position by position",
+                   "per_prompt": {k: [{f: p[f] for f in ("agree", "n", "first_divergence", "prompt_ids_equal")}
+                                      for p in c.get("prompts", [])] for k, c in checks.items()}},
+        "grid": grid,
+        "grid_commands": {f"{g['model']}@{g['context']}": g["command"] for g in dev.get("grid", [])},
+        "memory_shapes": shapes,
+        "gen_tokens": a.gen_tokens,
+        "not_run": a.not_run,
+    }
+    result = record(a.out, result, a, command=a.command)
+    print(json.dumps({k: result[k] for k in ("ppl", "loss_per_byte", "greedy_agreement")}, indent=1))
+    print("| context | parallel | teacher decode tok/s | hybrid decode tok/s | x | teacher prompt tok/s | "
+          "hybrid prompt tok/s | teacher MiB | hybrid MiB |")
+    print("|" + "---|" * 9)
+    f = lambda v, spec=".0f": "-" if v is None else format(v, spec)
+    for r in grid:
+        print(f"| {r['context']} | {r['parallel']} | {f(r['teacher_decode_tok_s'])} | {f(r['hybrid_decode_tok_s'])} | "
+              f"{f(r['decode_speedup'], '.2f')} | {f(r['teacher_prompt_tok_s'])} | {f(r['hybrid_prompt_tok_s'])} | "
+              f"{f(r['teacher_mem_bytes'] and r['teacher_mem_bytes'] / MIB)} | "
+              f"{f(r['hybrid_mem_bytes'] and r['hybrid_mem_bytes'] / MIB)} |")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="step", required=True)
+    q = sub.add_parser("prepare")
+    q.add_argument("--hybrid", required=True, help="a `convert --target qwen3_5` output directory")
+    q.add_argument("--stage", required=True)
+    q.add_argument("--text_bytes", type=int, default=400_000)
+    q.add_argument("--ctx", type=int, default=1024)
+    q.add_argument("--chunks", type=int, default=32)
+    q.add_argument("--prompts", type=int, default=5)
+    q.add_argument("--prompt_tokens", type=int, default=64)
+    q.add_argument("--new_tokens", type=int, default=64)
+    q.add_argument("--threads", type=int, default=2)
+    q.add_argument("--device", default="cpu", help="where our class runs (cpu, cuda)")
+    q.add_argument("--teacher_gguf", default=None, help="the teacher's GGUF (default: the embedded teacher's)")
+    q.add_argument("--f32", action="store_true", help="also export an fp32 GGUF (llama.cpp's fidelity reference)")
+    q.add_argument("--split", action="store_true", help="also cut both GGUFs into parts of PART_BYTES")
+    d = sub.add_parser("device")
+    d.add_argument("--stage", required=True)
+    d.add_argument("--build", required=True)
+    d.add_argument("--out", required=True)
+    d.add_argument("--teacher_gguf", required=True)
+    d.add_argument("--parts", nargs="+", default=["ppl", "checks", "memory", "grid"])
+    for s in (d, sub.add_parser("collect")):
+        s.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
+        s.add_argument("--parallel", type=int, nargs="+", default=[1, 8, 32])
+        s.add_argument("--gen_tokens", type=int, default=128)
+    d.add_argument("--cell_timeout", type=float, default=300)
+    c = sub.choices["collect"]
+    c.add_argument("--ours", required=True, help="ours.json written by prepare")
+    c.add_argument("--device_out", nargs="+", required=True, help="device step output folders (later ones fill in)")
+    c.add_argument("--out", required=True)
+    c.add_argument("--shapes", required=True, help="JSON: per model, attention_layers, kv_dim, and for a hybrid "
+                   "gdn_layers, conv_kernel, conv_channels, ssm_heads, ssm_dk, ssm_dv (memory per cell / sequence)")
+    c.add_argument("--engine_version", default="")
+    c.add_argument("--convert_command", default="")
+    c.add_argument("--command", default=None, help="the command lines that produced the inputs, for the record")
+    c.add_argument("--note", default="")
+    c.add_argument("--not_run", default="")
+    a = p.parse_args(argv)
+    {"prepare": run_prepare, "device": run_device, "collect": run_collect}[a.step](a)
+
+
+if __name__ == "__main__":
+    main()
