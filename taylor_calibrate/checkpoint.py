@@ -177,11 +177,12 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     if not check_safetensors(path, fix):
         raise FileNotFoundError(f"{path} has no *.safetensors weights; re-run `convert` to write them")
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
+                                                           trust_remote_code=False)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
         raise ValueError(f"could not load the model in {path}: {e}") from e
     check_loaded(path, info, fix)
     check_report(path, model.config)
     check_finite(model, str(path), "the file is damaged or the run that wrote it diverged; " + fix)
-    tokenizer = AutoTokenizer.from_pretrained(path) if any(path.glob("tokenizer*")) else None
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False) if any(path.glob("tokenizer*")) else None
     return model.to(device).eval(), tokenizer

@@ -19,7 +19,7 @@ import torch
 from taylor_calibrate.align import align_attention, align_layers, realign_kept, roped
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.checkpoint import REPORT, check_finite, staged_dir
-from taylor_calibrate.checks import check_context, check_out
+from taylor_calibrate.checks import check_context, writes_out
 from taylor_calibrate.config import ConvertArgs, apply_profile
 from taylor_calibrate.data import TokenSplits, load_splits
 from taylor_calibrate.evaluate import check_finite_eval, perplexity, print_table
@@ -323,10 +323,10 @@ def _count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@writes_out("convert")
 def run_convert(args: ConvertArgs) -> dict:
     """Convert a teacher into a hybrid (phase 1 + phase 2 by default), evaluate both on held-out text, save it."""
     clock = Clock()
-    check_out(args.out, "convert", overwrite=args.overwrite, inputs={"--teacher": args.teacher})
     with clock("backend_check"):
         rt = resolve_runtime(args)
     with clock("load_teacher"):

@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from taylor_calibrate.config import GDN_TYPE, DistillArgs, TrainArgs, apply_profile, apply_train_profile
-from taylor_calibrate.checks import check_context, check_out
+from taylor_calibrate.checks import check_context, check_out, writes_out
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
@@ -623,11 +623,10 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
 
 
 # --- the stage ---------------------------------------------------------------------------------------------------
+@writes_out("distill")
 def run_distill(args: DistillArgs) -> dict:
     """Distil a converted hybrid toward its teacher; resumable, torchrun-ready; writes report.json and model/."""
     t0 = time.perf_counter()
-    check_out(args.out, "distill", overwrite=args.overwrite,
-              inputs={"--student": args.student, "--teacher": args.teacher})
     device = resolve_device(args.device)
     ctx, device = init_distributed(device)
     dtype = resolve_dtype(args.dtype, device)

@@ -4,15 +4,15 @@ qwen3_5.py: transformers' Qwen3.5 (also vLLM, SGLang); gguf.py: llama.cpp's `qwe
 """
 from __future__ import annotations
 
-from taylor_calibrate.checks import check_out
+from taylor_calibrate.checks import writes_out
 from taylor_calibrate.config import ExportArgs
 from taylor_calibrate.export.gguf import export_gguf
 from taylor_calibrate.export.qwen3_5 import export_qwen3_5
 
 
+@writes_out("export")
 def run_export(args: ExportArgs) -> dict:
     """Export a converted hybrid to a format that inference engines run without our package."""
-    check_out(args.out, "export", inputs={"--model": args.model})
     if args.format == "gguf":
         out = export_gguf(args.model, args.out)
         print(f"exported {args.model} -> {out} (GGUF, llama.cpp architecture qwen35)")
