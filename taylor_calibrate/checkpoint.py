@@ -7,6 +7,8 @@ every parameter of its config, are not finite, or whose report.json disagrees wi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import json
 import logging
 import os
@@ -48,7 +50,8 @@ def staged_dir(final: str | Path):
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        yield tmp
+        with write_errors(final):
+            yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -57,6 +60,27 @@ def staged_dir(final: str | Path):
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.EFBIG)
+
+
+@contextlib.contextmanager
+def write_errors(target: str | Path):
+    """Turn a failed write under `target` (a full disk, no permission: an OSError, or safetensors' own error, which is
+    not one) into one OSError naming `target` and the fix."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        if isinstance(e, OSError) and e.errno not in _WRITE_ERRNOS:
+            raise
+        why = getattr(e, "strerror", None) or str(e)
+        if isinstance(e, SafetensorError) and ("code: 28" in why or "StorageFull" in why):
+            why = "no space left on the device"
+        raise OSError(f"could not write {target} ({why}); nothing was kept: free space or fix the permissions there, "
+                      "or pass another --out") from e
 
 
 def check_finite(model_or_tensors, what: str, fix: str = "") -> None:
@@ -124,12 +148,21 @@ def check_loaded(path, info: dict, fix: str, unexpected: bool = False) -> None:
 def check_report(path, config) -> None:
     """A convert output's report.json must describe the model its config.json describes."""
     report = Path(path) / REPORT
-    if not report.is_file() or not hasattr(config, "layer_types"):
+    if not hasattr(config, "layer_types"):
+        return
+    if not report.is_file():
+        check_gdn_block(path, {})
         return
     try:
         rep = json.loads(report.read_text())
     except ValueError as e:
         raise ValueError(f"{report} is not valid JSON ({e}); convert again into a new --out") from None
+    args = rep.get("args") if isinstance(rep, dict) else None
+    if not isinstance(rep, dict) or not isinstance(rep.get("layer_types", []), list) or \
+            not isinstance(args or {}, dict) or not isinstance((args or {}).get("gdn") or {}, dict):
+        raise ValueError(f"{report} is not a conversion report (a JSON object with layer_types and args); it is "
+                         "damaged: convert again into a new --out")
+    check_gdn_block(path, rep)
     if "layer_types" in rep and list(rep["layer_types"]) != list(config.layer_types or []):
         raise ValueError(f"{path}: report.json and config.json describe different models (layer_types "
                          f"{rep['layer_types']} vs {list(config.layer_types or [])}); the directory mixes two "
@@ -138,6 +171,27 @@ def check_report(path, config) -> None:
     if gdn is not None and getattr(config, "gdn", None) is not None and dict(gdn) != dict(config.gdn):
         raise ValueError(f"{path}: report.json and config.json give different GDN options ({gdn} vs {config.gdn}); "
                          "the directory mixes two conversions: convert again into a new --out")
+
+
+def check_gdn_block(path, rep: dict) -> None:
+    """A hybrid's config.json must give every GDN option: a missing one would silently take today's default, which
+    need not be what the layer was converted and trained with."""
+    from taylor_calibrate.config import GDNConfig
+
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the loader reports it
+    if not isinstance(cfg, dict) or cfg.get("model_type") != "taylor_hybrid":
+        return
+    gdn = cfg.get("gdn") if isinstance(cfg.get("gdn"), dict) else {}
+    missing = sorted({f.name for f in dataclasses.fields(GDNConfig)} - set(gdn))
+    if missing:
+        known = (rep.get("args") or {}).get("gdn")
+        fix = (f"add them back from report.json's args.gdn: \"gdn\": {json.dumps(known)}" if known else
+               "convert again into a new --out")
+        raise ValueError(f"{Path(path) / 'config.json'} does not give the GDN option(s) {missing} the hybrid was "
+                         f"converted with (defaults would be used silently); {fix}")
 
 
 def check_state(path, config, state: dict, fix: str) -> None:

@@ -215,6 +215,17 @@ def writes_out(command: str, out_of=lambda args: args.out, nested_ok: tuple[str,
     return wrap
 
 
+def check_same_vocab(teacher_spec: str, teacher_model, teacher_tokenizer, model, tokenizer, origin: str,
+                     who: str = "model") -> None:
+    """A teacher compared with a model token by token (KL, agreement, perplexity on the same ids) must share its
+    vocabulary: the same size and the same token at every id."""
+    sizes = teacher_model.config.get_text_config().vocab_size, model.config.get_text_config().vocab_size
+    if sizes[0] != sizes[1] or teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+        why = f"vocab_size {sizes[0]} vs {sizes[1]}" if sizes[0] != sizes[1] else "other tokens at the same ids"
+        raise ValueError(f"teacher {teacher_spec!r} does not share the {who}'s vocabulary ({why}), so their token ids "
+                         f"cannot be compared; pass the teacher it was converted from ({origin})")
+
+
 def check_context(seq_len: int, config, allow: bool, who: str) -> None:
     """--data.seq_len must fit the model's context (max_position_embeddings) unless explicitly allowed."""
     ctx = getattr(config, "max_position_embeddings", None)

@@ -31,7 +31,7 @@ from taylor_calibrate.policy import (ON_HYBRIDS, RETRIEVAL, SCORED, combined_sco
 from taylor_calibrate.results import record
 from taylor_calibrate.retrieval import answer_scores, calibration_probes, eval_probes, probe_length
 from taylor_calibrate.stats import attention_targets, collect_stats, far_weights, retrieval_heads, store_device_for
-from taylor_calibrate.teacher import Teacher, load_teacher, resolve_device, resolve_dtype
+from taylor_calibrate.teacher import Teacher, load_teacher, resolve_device, resolve_dtype, teacher_ref
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -280,7 +280,7 @@ def convert(args: ConvertArgs, teacher: Teacher, rt: Runtime, clock: Clock | Non
         p2 = phase2(args, teacher, stats, mixers, headwise, rt.train_backend)
     with clock("target"):
         form, p2_attention, qk_pairs = target_form(args, teacher, stats, choice.kept if adapt else [], rt.device)
-    hybrid = convert_teacher(form, converted, args.gdn, teacher_name=args.teacher, mixers=mixers,
+    hybrid = convert_teacher(form, converted, args.gdn, teacher_name=teacher_ref(args.teacher), mixers=mixers,
                              kept_groups=headwise)
     hybrid.set_backend(rt.backend)
     p2_kept = None

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from taylor_calibrate.checks import check_context, writes_out
+from taylor_calibrate.checks import check_context, check_same_vocab, writes_out
 from taylor_calibrate.config import EvalArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.checkpoint import REPORT, load_model
@@ -199,6 +199,8 @@ def run_eval(args: EvalArgs) -> dict:
     teacher = None
     if args.teacher:
         teacher = load_teacher(args.teacher, device, dtype)
+        check_same_vocab(args.teacher, teacher.model, teacher.tokenizer, model, tokenizer,
+                         getattr(model.config, "teacher_name", None) or "see its report.json")
         report["teacher"] = args.teacher
         report["teacher_ppl"] = perplexity(teacher.model, splits.heldout, args.eval_batch_size, "teacher ppl")["ppl"]
     check_finite_eval({f"{args.model}'s": report["model_ppl"],

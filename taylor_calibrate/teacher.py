@@ -106,6 +106,12 @@ def _locate(spec: str) -> tuple[str, dict]:
     return spec, {}  # a hub id
 
 
+def teacher_ref(spec: str) -> str:
+    """How a teacher is recorded: a local path absolute (a relative one would name another model when read from
+    another directory), anything else (a hub id, the embedded default's name) as given."""
+    return str(Path(spec).expanduser().resolve()) if os.path.exists(os.path.expanduser(spec)) else spec
+
+
 def load_tokenizer(spec: str = DEFAULT_TEACHER):
     """The tokenizer of a teacher spec (or of any checkpoint directory with tokenizer files, e.g. a hybrid)."""
     where, kw = _locate(spec)
