@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from taylor_calibrate.results import write_json
+from taylor_calibrate.results import umask, write_json
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -39,7 +39,8 @@ def _alive(pid: int) -> bool:
 def staged_dir(final: str | Path):
     """Yield an empty temporary sibling of `final` to write a directory into; on success it is renamed to `final`
     (an earlier `final` is moved aside and removed only after that), on any error it is removed. Leftovers of killed
-    runs (`.<name>.partial-<pid>` of a dead process) are cleared first."""
+    runs (`.<name>.partial-<pid>` of a dead process) are cleared first. What it holds gets the modes the umask says
+    (`as_umask`), and a failed write is named (`write_errors`)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     for stale in final.parent.glob(f".{final.name}.partial-*"):
@@ -52,6 +53,7 @@ def staged_dir(final: str | Path):
     try:
         with write_errors(final):
             yield tmp
+        as_umask(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -60,6 +62,16 @@ def staged_dir(final: str | Path):
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def as_umask(root: str | Path) -> None:
+    """Give `root` and everything under it the modes the umask says (files 0644, directories 0755 by default):
+    temporary directories and safetensors' files are created 0700 / 0600, which a serving account could not read."""
+    mask = umask()
+    root = Path(root)
+    for p in [root, *root.rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.EFBIG)

@@ -4,14 +4,11 @@ qwen3_5.py: transformers' Qwen3.5 (also vLLM, SGLang); gguf.py: llama.cpp's `qwe
 """
 from __future__ import annotations
 
-import os
-
-from taylor_calibrate.checkpoint import write_errors
+from taylor_calibrate.checkpoint import as_umask, write_errors
 from taylor_calibrate.checks import writes_out
 from taylor_calibrate.config import ExportArgs
 from taylor_calibrate.export.gguf import export_gguf
 from taylor_calibrate.export.qwen3_5 import export_qwen3_5
-from taylor_calibrate.results import umask
 
 
 @writes_out("export")
@@ -19,7 +16,7 @@ def run_export(args: ExportArgs) -> dict:
     """Export a converted hybrid to a format that inference engines run without our package."""
     with write_errors(args.out):
         out = (export_gguf if args.format == "gguf" else export_qwen3_5)(args.model, args.out)
-    os.chmod(args.out, 0o777 & ~umask())  # written as a temporary directory (0700): readable as the umask says
+    as_umask(args.out)  # written by mkdtemp and safetensors (0700 / 0600)
     if args.format == "gguf":
         print(f"exported {args.model} -> {out} (GGUF, llama.cpp architecture qwen35)")
     else:
