@@ -194,3 +194,13 @@ def test_outputs_are_readable_as_the_umask_says(fw):
     assert stat.S_IMODE(hybrid.stat().st_mode) == 0o755
     assert stat.S_IMODE((hybrid / "report.json").stat().st_mode) == 0o644
     assert stat.S_IMODE((hybrid / "model.safetensors").stat().st_mode) == 0o644
+
+
+def test_export_of_a_headwise_hybrid_is_refused(tmp_path):
+    from conftest import tiny_saved_hybrid
+
+    hybrid, _ = tiny_saved_hybrid(tmp_path)
+    before = tree(hybrid)
+    out = tmp_path / "exported"
+    fails(main("export", "--model", hybrid, "--out", out), "is a head-wise hybrid", "--target qwen3_5")
+    assert not out.exists() and tree(hybrid) == before
