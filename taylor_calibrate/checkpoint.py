@@ -7,6 +7,8 @@ every parameter of its config, are not finite, or whose report.json disagrees wi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import json
 import logging
 import os
@@ -17,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from taylor_calibrate.model.loading import REPORT, check_loaded, check_report
-from taylor_calibrate.results import write_json
+from taylor_calibrate.results import umask, write_json
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -36,7 +38,8 @@ def _alive(pid: int) -> bool:
 def staged_dir(final: str | Path):
     """Yield an empty temporary sibling of `final` to write a directory into; on success it is renamed to `final`
     (an earlier `final` is moved aside and removed only after that), on any error it is removed. Leftovers of killed
-    runs (`.<name>.partial-<pid>` of a dead process) are cleared first."""
+    runs (`.<name>.partial-<pid>` of a dead process) are cleared first. What it holds gets the modes the umask says
+    (`as_umask`), and a failed write is named (`write_errors`)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     for stale in final.parent.glob(f".{final.name}.partial-*"):
@@ -47,7 +50,9 @@ def staged_dir(final: str | Path):
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        yield tmp
+        with write_errors(final):
+            yield tmp
+        as_umask(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -56,6 +61,37 @@ def staged_dir(final: str | Path):
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def as_umask(root: str | Path) -> None:
+    """Give `root` and everything under it the modes the umask says (files 0644, directories 0755 by default):
+    temporary directories and safetensors' files are created 0700 / 0600, which a serving account could not read."""
+    mask = umask()
+    root = Path(root)
+    for p in [root, *root.rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.EFBIG)
+
+
+@contextlib.contextmanager
+def write_errors(target: str | Path):
+    """Turn a failed write under `target` (a full disk, no permission: an OSError, or safetensors' own error, which is
+    not one) into one OSError naming `target` and the fix."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        if isinstance(e, OSError) and e.errno not in _WRITE_ERRNOS:
+            raise
+        why = getattr(e, "strerror", None) or str(e)
+        if isinstance(e, SafetensorError) and ("code: 28" in why or "StorageFull" in why):
+            why = "no space left on the device"
+        raise OSError(f"could not write {target} ({why}); nothing was kept: free space or fix the permissions there, "
+                      "or pass another --out") from e
 
 
 def check_finite(model_or_tensors, what: str, fix: str = "") -> None:
@@ -135,11 +171,12 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     if not check_safetensors(path, fix):
         raise FileNotFoundError(f"{path} has no *.safetensors weights; re-run `convert` to write them")
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
+                                                           trust_remote_code=False)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
         raise ValueError(f"could not load the model in {path}: {e}") from e
     check_loaded(path, info, fix)
     check_report(path, model.config)
     check_finite(model, str(path), "the file is damaged or the run that wrote it diverged; " + fix)
-    tokenizer = AutoTokenizer.from_pretrained(path) if any(path.glob("tokenizer*")) else None
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False) if any(path.glob("tokenizer*")) else None
     return model.to(device).eval(), tokenizer

@@ -5,9 +5,14 @@ their time or their files; these checks move such failures to the first second a
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import json
 import os
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 # How an earlier output of each command is recognised: a file it writes (with a key of its own when several
@@ -19,8 +24,10 @@ _OUTPUT_MARKS = {
     "ablate": [("ablation.json", None)],
     "recovery": [("recovery.json", None), ("runs", None), ("mixers", None)],
     "tradeoff": [("tradeoff.json", None)],
+    "tokenize": [("tokens.json", None)],
     "export": [],  # never written into a non-empty directory
 }
+_CORPUS_KEYWORDS = ("builtin", "pysrc")  # --data.source values that name no path
 
 
 def is_output_of(path: Path, command: str) -> bool:
@@ -32,35 +39,54 @@ def is_output_of(path: Path, command: str) -> bool:
         if key is None:
             return True
         try:
-            if key in json.loads(f.read_text()):
-                return True
+            data = json.loads(f.read_text())
         except (ValueError, OSError):
-            pass
+            continue
+        if isinstance(data, dict) and key in data:
+            return True
     return False
 
 
 def _local(spec: str | None) -> Path | None:
-    """The local directory an input spec lives in (a .gguf file: its folder), or None for hub ids / nothing."""
-    if not spec:
+    """The resolved local file or directory an input spec names, or None for hub ids, corpus keywords, nothing."""
+    if not spec or spec in _CORPUS_KEYWORDS or spec.startswith("hf:"):
         return None
     p = Path(spec).expanduser()
-    if p.is_file():
-        p = p.parent
-    return p.resolve() if p.is_dir() else None
+    return p.resolve() if p.exists() else None
 
 
-def check_out(out: str, command: str, *, overwrite: bool = False, inputs: dict[str, str | None] | None = None,
-              flag: str = "--out") -> Path:
-    """Fail now, not after the run, when `out` cannot take `command`'s output: it is a file or lies under one, it is
-    not writable, it is (or holds) one of the `inputs` ({"--teacher": spec, ...}), or it is a non-empty directory
-    that is not an earlier output of `command` and `overwrite` is off. Returns the resolved path."""
-    path = Path(out).expanduser().resolve()
-    for name, spec in (inputs or {}).items():
+def _check_inputs(path: Path, out: str, inputs: dict[str, str | None], nested_ok: tuple[str, ...], flag: str) -> None:
+    """`path` (resolved --out) may not be an input, hold one, or (a directory input not in `nested_ok`) lie inside
+    one: the command would replace or write into what it reads."""
+    for name, spec in inputs.items():
         src = _local(spec)
-        if src is not None and (path == src or path in src.parents):
+        if src is None:
+            continue
+        if path == src or path in src.parents:
             what = "is" if path == src else "holds"
-            raise ValueError(f"{flag} {out} {what} the {name} directory {spec}: writing there would replace what "
-                             f"the command reads; pass another {flag}")
+        elif src.is_dir() and src in path.parents and name not in nested_ok:
+            what = "lies inside"
+        else:
+            continue
+        kind = "directory" if src.is_dir() else "file"
+        raise ValueError(f"{flag} {out} {what} the {name} {kind} {spec}: writing there would replace or change what "
+                         f"the command reads; pass another {flag} (outside it)")
+
+
+def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs: dict[str, str | None] | None = None,
+              flag: str = "--out", nested_ok: tuple[str, ...] = (), lock: contextlib.ExitStack | None = None) -> Path:
+    """Fail now, not after the run, when `out` cannot take `command`'s output: it is a file or lies under one (or is a
+    dangling link), it is not writable, it is, holds or lies inside one of the `inputs` ({"--teacher": spec, ...};
+    inside is allowed for the names in `nested_ok`), or it is a non-empty directory that is not an earlier output of
+    `command` and `overwrite` is off (None: the command has no --overwrite). With `lock`, the lock of `out`
+    (`output_lock`) is taken into it before the last check, so a second run names the first instead. Returns the
+    resolved path."""
+    raw = Path(out).expanduser()
+    if raw.is_symlink() and not raw.exists():
+        raise FileNotFoundError(f"{flag} {out} is a link to {os.readlink(raw)}, which does not exist; pass a directory "
+                                "path (or create the link's target)")
+    path = raw.resolve()
+    _check_inputs(path, out, inputs or {}, nested_ok, flag)
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         where = "is an existing file" if existing == path else f"lies under {existing}, which is a file"
@@ -72,10 +98,132 @@ def check_out(out: str, command: str, *, overwrite: bool = False, inputs: dict[s
     except OSError as e:
         raise PermissionError(f"{flag} {out}: cannot write in {existing} ({e.strerror or e}); pass a writable "
                               "location") from None
+    if lock is not None:
+        lock.enter_context(output_lock(path, command, flag))
     if path.is_dir() and any(path.iterdir()) and not overwrite and not is_output_of(path, command):
+        fix = "or --overwrite true to replace its contents" if overwrite is not None else "(it is never overwritten)"
         raise FileExistsError(f"{flag} {out} is a non-empty directory that is not an earlier `{command}` output; "
-                              f"pass a new or empty directory, or --overwrite true to replace its contents")
+                              f"pass a new or empty directory {fix}")
     return path
+
+
+# --- one writer per output ---------------------------------------------------------------------------------------
+_HELD: dict[Path, list] = {}  # lock file -> [open file, depth]: a process may take its own lock again
+
+
+def lock_file(path: Path) -> Path:
+    """Where the lock of output `path` lives: a hidden sibling, so that it survives the output being replaced."""
+    return path.parent / f".{path.name}.lock"
+
+
+def _holder(f) -> dict:
+    try:
+        f.seek(0)
+        data = json.loads(f.read() or "{}")
+        return data if isinstance(data, dict) else {}
+    except (ValueError, OSError):
+        return {}
+
+
+def _alive_here(holder: dict) -> bool:
+    """Whether the recorded holder may still run: a live pid on this host, or any pid on another host."""
+    if holder.get("host") != socket.gethostname():
+        return bool(holder.get("pid"))
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except (ProcessLookupError, ValueError, KeyError, TypeError):
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+@contextlib.contextmanager
+def output_lock(path: str | Path, command: str = "", flag: str = "--out"):
+    """Hold the exclusive lock of output `path` (a directory or file a command writes) while the block runs.
+
+    The lock is an flock on `lock_file(path)`, which records the holder (pid, host, command, start time): the OS
+    drops it when the holder exits or is killed, so a lock left by a dead run is taken over; a held one is refused
+    naming its holder. On file systems without flock, the recorded pid decides (dead on this host: stale). Under
+    torchrun only rank 0 locks. Re-entrant within a process."""
+    if os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    path = Path(path).expanduser().resolve()
+    lf = lock_file(path)
+    if lf in _HELD:
+        _HELD[lf][1] += 1
+        try:
+            yield
+        finally:
+            _HELD[lf][1] -= 1
+        return
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        f = open(lf, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            held = e.errno in (errno.EAGAIN, errno.EACCES) or _alive_here(_holder(f))
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS) or held:
+                who = _holder(f)
+                f.close()
+                if not held:
+                    raise
+                desc = (f"`{who.get('command') or 'a command'}`, pid {who.get('pid', '?')} on {who.get('host', '?')}, "
+                        f"since {who.get('started', '?')}") if who else "a process that is starting"
+                raise BlockingIOError(f"{flag} {path} is being written by another run ({desc}); wait for it to end or "
+                                      f"pass another {flag} (the lock is {lf})") from None
+        try:  # the file may have been removed (and made anew) by its previous holder between open and flock
+            same = os.fstat(f.fileno()).st_ino == os.stat(lf).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+                        "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    f.flush()
+    _HELD[lf] = [f, 0]
+    try:
+        yield
+    finally:
+        del _HELD[lf]
+        with contextlib.suppress(OSError):
+            lf.unlink()
+        f.close()
+
+
+def writes_out(command: str, out_of=lambda args: args.out, nested_ok: tuple[str, ...] = ()):
+    """Decorator of a command's run_* function: before it runs, check its --out against its inputs (--teacher,
+    --student, --model, --data.source: `check_out`) and take the lock of --out, held until it returns or raises."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(args):
+            inputs = {f"--{k}": getattr(args, k, None) for k in ("teacher", "student", "model")}
+            data = getattr(args, "data", None)
+            inputs["--data.source"] = getattr(data, "source", None)
+            with contextlib.ExitStack() as stack:
+                check_out(str(out_of(args)), command, overwrite=getattr(args, "overwrite", None), inputs=inputs,
+                          nested_ok=nested_ok, lock=stack)
+                return fn(args)
+        return run
+    return wrap
+
+
+def check_same_vocab(teacher_spec: str, teacher_model, teacher_tokenizer, model, tokenizer, origin: str,
+                     who: str = "model") -> None:
+    """A teacher compared with a model token by token (KL, agreement, perplexity on the same ids) must share its
+    vocabulary: the same size and the same token at every id."""
+    sizes = teacher_model.config.get_text_config().vocab_size, model.config.get_text_config().vocab_size
+    if sizes[0] != sizes[1] or teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+        why = f"vocab_size {sizes[0]} vs {sizes[1]}" if sizes[0] != sizes[1] else "other tokens at the same ids"
+        raise ValueError(f"teacher {teacher_spec!r} does not share the {who}'s vocabulary ({why}), so their token ids "
+                         f"cannot be compared; pass the teacher it was converted from ({origin})")
 
 
 def check_context(seq_len: int, config, allow: bool, who: str) -> None:

@@ -5,6 +5,7 @@ Flags and a YAML file (`--config run.yaml`, a dump of the same dataclass) both f
 """
 from __future__ import annotations
 
+import functools
 import logging
 import shlex
 import sys
@@ -36,6 +37,7 @@ COMMANDS = {
 }
 
 
+@functools.cache  # building it reads every option's docstring: once per process
 def build_parser() -> ArgumentParser:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # field docstrings become --help
     parser = ArgumentParser(prog="taylor-calibrate", description=__doc__.splitlines()[0])
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError, RuntimeError, ImportError) as e:
         print(f"taylor-calibrate {name or ''}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"taylor-calibrate {name or ''}: interrupted; nothing half-written was kept (outputs appear whole or "
+              "not at all; distill resumes from its last checkpoint)", file=sys.stderr)
+        return 130
     return 0
 
 

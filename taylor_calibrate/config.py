@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import yaml
@@ -672,9 +673,24 @@ def args_parser(args_cls, description: str | None = None) -> ArgumentParser:
     return parser
 
 
+def check_finite_options(args, prefix: str = "--") -> None:
+    """Refuse NaN and inf in every float option of an argument dataclass (nested ones and lists too): every comparison
+    with NaN is false, so range checks let it through and it would silently turn off what it sets (a NaN grad_clip
+    clips nothing)."""
+    for f in fields(args):
+        value, name = getattr(args, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            check_finite_options(value, f"{name}.")
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{name}={v} is not a finite number; pass a finite value")
+
+
 def args_of(args_cls, namespace):
-    """A parsed (instantiated) namespace -> the argument dataclass."""
-    return args_cls(**{k: v for k, v in vars(namespace).items() if k != "config" and not k.startswith("__")})
+    """A parsed (instantiated) namespace -> the argument dataclass, its float options checked finite."""
+    args = args_cls(**{k: v for k, v in vars(namespace).items() if k != "config" and not k.startswith("__")})
+    check_finite_options(args)
+    return args
 
 
 def parse_args_of(args_cls, argv: list[str]):

@@ -19,7 +19,7 @@ import torch
 from taylor_calibrate.align import align_attention, align_layers, realign_kept, roped
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.checkpoint import REPORT, check_finite, staged_dir
-from taylor_calibrate.checks import check_context, check_out
+from taylor_calibrate.checks import check_context, writes_out
 from taylor_calibrate.config import ConvertArgs, apply_profile
 from taylor_calibrate.data import TokenSplits, load_splits
 from taylor_calibrate.evaluate import check_finite_eval, perplexity, print_table
@@ -33,7 +33,7 @@ from taylor_calibrate.results import record
 from taylor_calibrate.retrieval import answer_scores, calibration_probes, eval_probes, probe_length
 from taylor_calibrate.stats import attention_targets, collect_stats, far_weights, retrieval_heads, store_device_for
 from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, Teacher, gguf_tokenizer_metadata, load_teacher,
-                                      resolve_device, resolve_dtype, teacher_gguf_path)
+                                      resolve_device, resolve_dtype, teacher_gguf_path, teacher_ref)
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -287,7 +287,7 @@ def convert(args: ConvertArgs, teacher: Teacher, rt: Runtime, clock: Clock | Non
         p2 = phase2(args, teacher, stats, mixers, headwise, rt.train_backend)
     with clock("target"):
         form, p2_attention, qk_pairs = target_form(args, teacher, stats, choice.kept if adapt else [], rt.device)
-    hybrid = convert_teacher(form, converted, args.gdn, teacher_name=args.teacher, mixers=mixers,
+    hybrid = convert_teacher(form, converted, args.gdn, teacher_name=teacher_ref(args.teacher), mixers=mixers,
                              kept_groups=headwise)
     hybrid.set_backend(rt.backend)
     p2_kept = None
@@ -331,10 +331,10 @@ def _count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@writes_out("convert")
 def run_convert(args: ConvertArgs) -> dict:
     """Convert a teacher into a hybrid (phase 1 + phase 2 by default), evaluate both on held-out text, save it."""
     clock = Clock()
-    check_out(args.out, "convert", overwrite=args.overwrite, inputs={"--teacher": args.teacher})
     with clock("backend_check"):
         rt = resolve_runtime(args)
     with clock("load_teacher"):

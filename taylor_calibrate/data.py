@@ -18,12 +18,11 @@ numbers) depends on the Python version that runs the toolkit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
-import os
-import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from taylor_calibrate.checks import writes_out
 from taylor_calibrate.config import CorpusSpec
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,10 @@ def load_documents(spec: CorpusSpec) -> list[tuple[str, str]]:
                 f"corpus source {source!r} does not exist; pass 'builtin', 'pysrc', a text file, a directory, "
                 "a .jsonl file, a datasets save_to_disk directory, or 'hf:<name>'"
             )
+        if not (path.is_dir() or path.is_file()):
+            raise ValueError(f"corpus source {source!r} is not a regular file or directory (a pipe, socket or device "
+                             "cannot be read twice, as the split and the tokenizer need); save the text to a file and "
+                             "pass that")
         if is_token_dir(source):
             raise ValueError(f"{source!r} holds token shards (`tokenize`), not documents: `distill` and `recovery` "
                              "read them; other commands need the corpus itself")
@@ -407,65 +411,128 @@ def _iter_split_documents(spec: CorpusSpec):
             yield side, text
 
 
-def write_tokens(spec: CorpusSpec, tokenizer, out: str | Path) -> Path:
+def corpus_stamp(source: str) -> dict | None:
+    """What a local corpus is now: its absolute path, its file count and a sha1 over every file's (relative path,
+    size, mtime); None for "builtin", "pysrc" and "hf:" sources. Token shards record it, so that shards of a corpus
+    that changed since are not read as if they were its tokens."""
+    if source in ("builtin", "pysrc") or source.startswith("hf:"):
+        return None
+    root = Path(source).expanduser().resolve()
+    if not root.exists():
+        return None
+    files = [root] if not root.is_dir() else sorted(p for p in root.rglob("*") if p.is_file())
+    listing = []
+    for f in files:
+        st = f.stat()
+        listing.append([f.name if f == root else f.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns])
+    return {"path": str(root), "files": len(listing), "sha1": hashlib.sha1(json.dumps(listing).encode()).hexdigest()}
+
+
+def read_token_meta(root: str | Path) -> dict:
+    """tokens.json of a token-shard directory, checked: the shape `write_tokens` writes and shard files that hold the
+    token counts it records. A damaged one is an error naming the file and the fix."""
+    root = Path(root)
+    f = root / TOKENS_META
+    fix = f"delete {root} and tokenise the corpus again (`taylor-calibrate tokenize`, or let distill do it)"
+    try:
+        meta = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f} is not valid JSON ({e}); {fix}") from None
+    ok = (isinstance(meta, dict) and isinstance(meta.get("tokens"), dict) and isinstance(meta.get("tokenizer"), str)
+          and meta.get("dtype") in ("uint16", "uint32")
+          and all(isinstance(meta["tokens"].get(s), int) and meta["tokens"][s] >= 0 for s in SIDES))
+    if not ok:
+        raise ValueError(f"{f} is not a token-shard description (tokens, tokenizer, dtype); {fix}")
+    for side in SIDES:
+        shard = root / f"{side}.bin"
+        want = meta["tokens"][side] * np.dtype(meta["dtype"]).itemsize
+        have = shard.stat().st_size if shard.is_file() else None
+        if have != want:
+            raise ValueError(f"token shard {shard} holds {have if have is not None else 'no'} bytes where "
+                             f"{TOKENS_META} records {want}: it is missing, truncated or of another run; {fix}")
+    return meta
+
+
+def check_token_ids(root: str | Path, vocab_size: int) -> None:
+    """Every id in the shards must be a token of the vocabulary (a damaged shard would index past the embedding)."""
+    root = Path(root)
+    meta = read_token_meta(root)
+    for side in SIDES:
+        ids = np.memmap(root / f"{side}.bin", dtype=meta["dtype"], mode="r") if meta["tokens"][side] else []
+        step = 1 << 24
+        top = max((int(ids[i:i + step].max()) for i in range(0, len(ids), step)), default=-1)
+        if top >= vocab_size:
+            raise ValueError(f"token shard {root / f'{side}.bin'} holds id {top}, beyond the tokenizer's {vocab_size} "
+                             f"tokens: it is damaged; delete {root} and tokenise the corpus again")
+
+
+def write_tokens(spec: CorpusSpec, tokenizer, out: str | Path, rebuild: bool = False) -> Path:
     """Tokenise `spec`'s corpus once into `out` (see above); an existing `out` for the same corpus and tokenizer is
-    reused, one for another is an error. Written to a temporary directory and renamed: complete or absent."""
+    reused, one for another is an error, and one whose local corpus changed since is rewritten (`rebuild`) or an
+    error. Written to a temporary directory and renamed (`staged_dir`): complete or absent. Holds `out`'s lock."""
+    from taylor_calibrate.checkpoint import staged_dir
+    from taylor_calibrate.checks import output_lock
+
     out = Path(out)
     fingerprint = tokenizer_fingerprint(tokenizer)
     want = {"source": spec.source, "text_field": spec.text_field, "split": spec.split,
             "heldout_fraction": spec.heldout_fraction, "tokenizer": fingerprint}
-    if (out / TOKENS_META).exists():
-        meta = json.loads((out / TOKENS_META).read_text())
-        differ = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
-        if differ:
-            raise ValueError(f"token shards {out} were written for another corpus or tokenizer ({sorted(differ)} "
-                             "differ); pass another directory or delete it")
-        return out
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not a token-shard directory; pass an empty or new directory")
-    eos = tokenizer.eos_token_id
-    dtype = np.uint16 if len(tokenizer) <= 2 ** 16 else np.uint32
-    for stale in out.parent.glob(f".tmp_{out.name}_*"):  # left by a killed run
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
-    tmp.mkdir(parents=True)
-    counts, docs = dict.fromkeys(SIDES, 0), dict.fromkeys(SIDES, 0)
-    files = {side: open(tmp / f"{side}.bin", "wb") for side in SIDES}
-    pending = {side: [] for side in SIDES}
+    with output_lock(out, "tokenize"):
+        corpus = corpus_stamp(spec.source)
+        if (out / TOKENS_META).exists():
+            meta = read_token_meta(out)
+            differ = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
+            if differ:
+                raise ValueError(f"token shards {out} were written for another corpus or tokenizer ({sorted(differ)} "
+                                 "differ); pass another directory or delete it")
+            then = meta.get("corpus")
+            if not (then and corpus and then.get("sha1") != corpus["sha1"]):
+                return out
+            if not rebuild:
+                raise ValueError(f"token shards {out} were written from {then.get('path')} ({then.get('files')} files) "
+                                 f"as it was then; it changed since (now {corpus['files']} files, other sizes or "
+                                 f"times). Delete {out} to tokenise it again, or pass another directory")
+            log.warning("corpus %s changed since %s was written: tokenising it again", spec.source, out)
+        elif out.exists() and any(out.iterdir()):
+            raise FileExistsError(f"{out} exists and is not a token-shard directory; pass an empty or new directory")
+        eos = tokenizer.eos_token_id
+        dtype = np.uint16 if len(tokenizer) <= 2 ** 16 else np.uint32
+        counts, docs = dict.fromkeys(SIDES, 0), dict.fromkeys(SIDES, 0)
+        pending = {side: [] for side in SIDES}
+        with staged_dir(out) as tmp, contextlib.ExitStack() as files_open:
+            files = {side: files_open.enter_context(open(tmp / f"{side}.bin", "wb")) for side in SIDES}
 
-    def flush(side):
-        texts, pending[side] = pending[side], []
-        if not texts:
-            return
-        stream = []
-        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
-            if ids:  # as pack_tokens: an empty document adds nothing, not even an eos
-                stream.extend(ids)
-                if eos is not None:
-                    stream.append(eos)
-        np.asarray(stream, dtype=dtype).tofile(files[side])
-        counts[side] += len(stream)
+            def flush(side):
+                texts, pending[side] = pending[side], []
+                if not texts:
+                    return
+                stream = []
+                for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+                    if ids:  # as pack_tokens: an empty document adds nothing, not even an eos
+                        stream.extend(ids)
+                        if eos is not None:
+                            stream.append(eos)
+                np.asarray(stream, dtype=dtype).tofile(files[side])
+                counts[side] += len(stream)
 
-    with tqdm(desc=f"tokenize {spec.source}", unit="doc", leave=False) as bar:
-        for side, text in _iter_split_documents(spec):
-            pending[side].append(text)
-            docs[side] += 1
-            bar.update()
-            if len(pending[side]) >= _ENCODE_BATCH:
-                flush(side)
-        for side in SIDES:
-            flush(side)
-    for f in files.values():
-        f.close()
-    if not all(counts.values()):
-        empty = [s for s in SIDES if not counts[s]]
-        raise ValueError(f"corpus {spec.source!r}: the {empty} split gives no tokens; pass a bigger corpus or another "
-                         "heldout_fraction")
-    meta = {**want, "dtype": np.dtype(dtype).name, "eos": eos, "tokens": counts, "documents": docs}
-    (tmp / TOKENS_META).write_text(json.dumps(meta, indent=1))
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
+            with tqdm(desc=f"tokenize {spec.source}", unit="doc", leave=False) as bar:
+                for side, text in _iter_split_documents(spec):
+                    pending[side].append(text)
+                    docs[side] += 1
+                    bar.update()
+                    if len(pending[side]) >= _ENCODE_BATCH:
+                        flush(side)
+                for side in SIDES:
+                    flush(side)
+            for f in files.values():
+                f.close()
+            if not all(counts.values()):
+                empty = [s for s in SIDES if not counts[s]]
+                raise ValueError(f"corpus {spec.source!r}: the {empty} split gives no tokens; pass a bigger corpus or "
+                                 "another heldout_fraction")
+            meta = {**want, "corpus": corpus, "dtype": np.dtype(dtype).name, "eos": eos, "tokens": counts,
+                    "documents": docs}
+            (tmp / TOKENS_META).write_text(json.dumps(meta, indent=1))
     log.info("tokenised %s: %s tokens (calibration / held-out) -> %s", spec.source,
              " / ".join(f"{counts[s]:,}" for s in SIDES), out)
     return out
@@ -477,7 +544,7 @@ class TokenWindows:
 
     def __init__(self, root: str | Path, side: str, seq_len: int):
         root = Path(root)
-        meta = json.loads((root / TOKENS_META).read_text())
+        meta = read_token_meta(root)
         self.root, self.side, self.seq_len, self.meta = root, side, seq_len, meta
         self.tokens = np.memmap(root / f"{side}.bin", dtype=meta["dtype"], mode="r", shape=(meta["tokens"][side],))
         self.num = len(self.tokens) // seq_len
@@ -600,10 +667,10 @@ def distill_data(spec, tokenizer, default_dir: Path, budget: int, *, main: bool 
         if root is default_dir:
             write_tokens(spec, tokenizer, root)
         else:
-            meta = json.loads((root / TOKENS_META).read_text())
-            if meta["tokenizer"] != tokenizer_fingerprint(tokenizer):
+            if read_token_meta(root)["tokenizer"] != tokenizer_fingerprint(tokenizer):
                 raise ValueError(f"token shards {root} were written with another tokenizer than the model's; run "
                                  "`taylor-calibrate tokenize` with this model")
+        check_token_ids(root, len(tokenizer))
     if barrier is not None:
         barrier()
     train = TokenWindows(root, "calib", spec.seq_len)
@@ -615,13 +682,14 @@ def distill_data(spec, tokenizer, default_dir: Path, budget: int, *, main: bool 
     return train, TokenWindows(root, "heldout", spec.seq_len).first(spec.eval_seqs)
 
 
+@writes_out("tokenize")
 def run_tokenize(args) -> dict:
     """Tokenise a corpus once into memory-mapped token shards (calibration / held-out documents) for `distill` and
     `recovery`; pass the directory as their --data.source."""
     from taylor_calibrate.teacher import load_tokenizer
 
-    out = write_tokens(args.data, load_tokenizer(args.model), args.out)
-    meta = json.loads((out / TOKENS_META).read_text())
+    out = write_tokens(args.data, load_tokenizer(args.model), args.out, rebuild=True)
+    meta = read_token_meta(out)
     tokens, docs = meta["tokens"], meta["documents"]
     print(f"token shards {out}: {tokens['calib']:,} calibration / {tokens['heldout']:,} held-out tokens from "
           f"{docs['calib']:,} / {docs['heldout']:,} documents of {args.data.source}")

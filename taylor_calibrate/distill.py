@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from taylor_calibrate.config import DistillArgs, TrainArgs, apply_profile, apply_train_profile
-from taylor_calibrate.checks import check_context, check_out
+from taylor_calibrate.checks import check_context, check_out, check_same_vocab, writes_out
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
@@ -50,7 +50,7 @@ from taylor_calibrate.model.hybrid_config import MIXER_TYPE
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.stats import FarMass, observing
-from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype, teacher_ref
 from taylor_calibrate.training import Clock, autocast, warmup_cosine
 
 log = logging.getLogger("taylor_calibrate")
@@ -274,22 +274,18 @@ def save_checkpoint(out: Path, step: int, model, opt, ctx: Dist, extra: dict) ->
     if ctx.main:
         root = out / CKPT_DIR
         final = root / f"step_{step:08d}"
-        tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in msd.items()}, str(tmp / "model.safetensors"))
-        tensors, scalars = {}, {}
-        for name, st in osd["state"].items():
-            for k, v in st.items():
-                if torch.is_tensor(v):
-                    tensors[f"{name}::{k}"] = v.detach().contiguous().cpu()
-                else:
-                    scalars[f"{name}::{k}"] = v
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        meta = {"step": step, "param_groups": osd["param_groups"], "scalars": scalars, **extra}
-        (tmp / "state.json").write_text(json.dumps(meta, default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        with staged_dir(final) as tmp:  # complete or not at all; a failed write (a full disk) leaves nothing
+            save_file({k: v.detach().contiguous().cpu() for k, v in msd.items()}, str(tmp / "model.safetensors"))
+            tensors, scalars = {}, {}
+            for name, st in osd["state"].items():
+                for k, v in st.items():
+                    if torch.is_tensor(v):
+                        tensors[f"{name}::{k}"] = v.detach().contiguous().cpu()
+                    else:
+                        scalars[f"{name}::{k}"] = v
+            save_file(tensors, str(tmp / "optimizer.safetensors"))
+            meta = {"step": step, "param_groups": osd["param_groups"], "scalars": scalars, **extra}
+            (tmp / "state.json").write_text(json.dumps(meta, default=str))
         write_json(root / "latest.json", {"step": step, "dir": final.name})
         for old in sorted(root.glob("step_*"))[:-2]:
             shutil.rmtree(old, ignore_errors=True)
@@ -342,6 +338,8 @@ def read_checkpoint(ckpt: Path, model) -> tuple[dict, dict, dict]:
     one present with its shape, nothing else (a strict load). Raises CorruptCheckpoint naming the file."""
     try:
         meta = json.loads((ckpt / "state.json").read_text())
+        if not isinstance(meta, dict):
+            raise TypeError("state.json is not a JSON object")
         step = int(meta["step"])
         msd = load_file(str(ckpt / "model.safetensors"))
         flat = load_file(str(ckpt / "optimizer.safetensors"))
@@ -375,6 +373,9 @@ def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
         except CorruptCheckpoint as e:
             damaged.append((ckpt, str(e)))
             continue
+        if not isinstance(meta.get("identity", {}), dict):
+            damaged.append((ckpt, f"checkpoint {ckpt} is damaged (its state.json's identity is not an object)"))
+            continue
         if "identity" not in meta:
             raise ValueError(f"checkpoint {ckpt} records no run identity (an older version wrote it), so it cannot be "
                              "told apart from another run's; pass a new --out, or --resume false to start over there")
@@ -403,12 +404,16 @@ def _records(path: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            rec = json.loads(line)
         except ValueError:
             if i == len(lines) - 1:
                 log.warning("%s: dropped a half-written last line", path)
                 break
             raise ValueError(f"{path}:{i + 1} is not valid JSON; delete the file or pass a new --out") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            raise ValueError(f"{path}:{i + 1} is not a metrics record (a JSON object with a step); the file is "
+                             "damaged: delete it or pass a new --out")
+        records.append(rec)
     return records
 
 
@@ -624,11 +629,10 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
 
 
 # --- the stage ---------------------------------------------------------------------------------------------------
+@writes_out("distill")
 def run_distill(args: DistillArgs) -> dict:
     """Distil a converted hybrid toward its teacher; resumable, torchrun-ready; writes report.json and model/."""
     t0 = time.perf_counter()
-    check_out(args.out, "distill", overwrite=args.overwrite,
-              inputs={"--student": args.student, "--teacher": args.teacher})
     device = resolve_device(args.device)
     ctx, device = init_distributed(device)
     dtype = resolve_dtype(args.dtype, device)
@@ -643,16 +647,16 @@ def run_distill(args: DistillArgs) -> dict:
     if not teacher_spec:
         raise ValueError(f"{args.student} does not record its teacher; pass --teacher")
     check_out(args.out, "distill", overwrite=args.overwrite, inputs={"the student's teacher": teacher_spec})
+    if args.teacher and student.config.teacher_name and teacher_ref(args.teacher) != teacher_ref(
+            student.config.teacher_name):
+        log.warning("--teacher %s is not the teacher %s was converted from (%s): distilling toward another model",
+                    args.teacher, args.student, student.config.teacher_name)
     if tokenizer is None:
         raise FileNotFoundError(f"{args.student} has no tokenizer files; save one beside the model")
     check_context(args.data.seq_len, student.config, args.data.beyond_context, "student")
     loaded = load_teacher(teacher_spec, device, dtype)
-    sizes = loaded.model.config.get_text_config().vocab_size, student.config.get_text_config().vocab_size
-    if sizes[0] != sizes[1] or loaded.tokenizer.get_vocab() != tokenizer.get_vocab():  # the KL compares token ids
-        why = f"vocab_size {sizes[0]} vs {sizes[1]}" if sizes[0] != sizes[1] else "other tokens at the same ids"
-        origin = student.config.teacher_name or "see its report.json"
-        raise ValueError(f"teacher {teacher_spec!r} does not share the student's vocabulary ({why}); distil toward "
-                         f"the model the student was converted from ({origin})")
+    check_same_vocab(teacher_spec, loaded.model, loaded.tokenizer, student, tokenizer,
+                     student.config.teacher_name or "see its report.json", who="student")
     teacher = loaded.model
     out = Path(args.out)
     train_rows, heldout = distill_data(args.data, tokenizer, out / "tokens", args.train.tokens, main=ctx.main,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from taylor_calibrate.checks import check_context, check_out
+from taylor_calibrate.checks import check_context, check_same_vocab, writes_out
 from taylor_calibrate.config import EvalArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.checkpoint import REPORT, load_model
@@ -174,12 +174,12 @@ def print_niah(scores: dict[str, dict]) -> None:
             print(f"  {f'{task} ({who})':<{width}}  " + "  ".join(cells))
 
 
+@writes_out("eval", lambda args: args.out or Path(args.model) / "eval", nested_ok=("--model",))
 def run_eval(args: EvalArgs) -> dict:
     """Held-out perplexity of a saved model (and optionally of its teacher on the same text); optionally
     long-context retrieval (--niah), agreement with the teacher (--agreement) and lm-eval tasks (--lm_eval_tasks)."""
     t0 = time.perf_counter()
     out = Path(args.out or Path(args.model) / "eval")
-    check_out(str(out), "eval", overwrite=args.overwrite, inputs={"--model": args.model, "--teacher": args.teacher})
     if args.lm_eval_tasks:
         import_lm_eval()  # fail before the slow parts, not after them
     device = resolve_device(args.device)
@@ -199,6 +199,8 @@ def run_eval(args: EvalArgs) -> dict:
     teacher = None
     if args.teacher:
         teacher = load_teacher(args.teacher, device, dtype)
+        check_same_vocab(args.teacher, teacher.model, teacher.tokenizer, model, tokenizer,
+                         getattr(model.config, "teacher_name", None) or "see its report.json")
         report["teacher"] = args.teacher
         report["teacher_ppl"] = perplexity(teacher.model, splits.heldout, args.eval_batch_size, "teacher ppl")["ppl"]
     check_finite_eval({f"{args.model}'s": report["model_ppl"],

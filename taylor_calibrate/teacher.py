@@ -134,10 +134,16 @@ def gguf_tokenizer_metadata(path: str | Path) -> dict:
     return out
 
 
+def teacher_ref(spec: str) -> str:
+    """How a teacher is recorded: a local path absolute (a relative one would name another model when read from
+    another directory), anything else (a hub id, the embedded default's name) as given."""
+    return str(Path(spec).expanduser().resolve()) if os.path.exists(os.path.expanduser(spec)) else spec
+
+
 def load_tokenizer(spec: str = DEFAULT_TEACHER):
     """The tokenizer of a teacher spec (or of any checkpoint directory with tokenizer files, e.g. a hybrid)."""
     where, kw = _locate(spec)
-    return AutoTokenizer.from_pretrained(where, **kw)
+    return AutoTokenizer.from_pretrained(where, trust_remote_code=False, **kw)
 
 
 def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -148,11 +154,15 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
     where, kw = _locate(spec)
     local = os.path.isdir(where)
     try:
-        config = AutoConfig.from_pretrained(where, **kw)
+        config = AutoConfig.from_pretrained(where, trust_remote_code=False, **kw)
     except Exception as e:  # the GGUF reader raises what numpy or its parser meets; the hub client, OSError
         if "gguf_file" in kw:
             raise ValueError(f"teacher GGUF file {spec!r} is truncated or not a GGUF model ({type(e).__name__}: {e}); "
                              "download it again") from e
+        if "custom code" in str(e):
+            raise ValueError(f"teacher {spec!r} needs custom code (an auto_map in its config), which taylor-calibrate "
+                             f"never runs; pass a checkpoint of a supported architecture ("
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)})") from None
         if local:
             raise ValueError(f"teacher {spec!r}: config.json is not a model config transformers can read ({e}); "
                              "restore it from the original checkpoint") from e
@@ -167,8 +177,9 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
         # the config read above goes in, so a GGUF file's metadata is parsed once less (seconds per parse)
         model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype,
                                                            attn_implementation=attn_implementation,
-                                                           output_loading_info=True, **kw)
-        tokenizer = AutoTokenizer.from_pretrained(where, **kw)
+                                                           output_loading_info=True,
+                                                           trust_remote_code=False, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False, **kw)
     except Exception as e:  # a damaged file surfaces as whatever the reader of that format raises
         raise ValueError(f"could not load teacher {spec!r} ({type(e).__name__}: {e}); check that its files are "
                          "complete (download them again)") from e

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from taylor_calibrate.checks import check_out
+from taylor_calibrate.checks import writes_out
 from taylor_calibrate.align import align_layers
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.config import INITS, AblateArgs, AlignArgs, apply_profile
@@ -134,12 +134,12 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@writes_out("ablate")
 def run_ablate(args: AblateArgs) -> dict:
     """Zero-shot held-out perplexity of every init on every layer policy; JSON + markdown table."""
     t0 = time.perf_counter()
     specs = [parse_init(s) for s in args.inits]  # bad specs and policies fail before any work
     check_policies(args.policies)
-    check_out(args.out, "ablate", overwrite=args.overwrite, inputs={"--teacher": args.teacher})
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.backend)

@@ -34,11 +34,11 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from taylor_calibrate.experiments.ablate import TeacherPass, build_all, check_policies, parse_init
-from taylor_calibrate.checks import check_out
+from taylor_calibrate.checks import writes_out
 from taylor_calibrate.config import (ConvertArgs, RecoveryArgs, apply_profile, apply_train_profile,
                                      convert_args_of)
 from taylor_calibrate.convert import convert, resolve_runtime
-from taylor_calibrate.data import TOKENS_META, TokenSplits, distill_data, is_token_dir
+from taylor_calibrate.data import TokenSplits, distill_data, is_token_dir, read_token_meta
 from taylor_calibrate.distill import Dist, all_sum, distill, init_distributed
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.results import record, write_json
@@ -142,7 +142,7 @@ def convert_args(args: RecoveryArgs, policy: str, init: str) -> ConvertArgs:
     method, aligned = parse_init(init)
     conv = convert_args_of(args, policy=policy, init=method, align=aligned)
     if is_token_dir(args.data.source):
-        meta = json.loads((Path(args.data.source).expanduser() / TOKENS_META).read_text())
+        meta = read_token_meta(Path(args.data.source).expanduser())
         conv.data = dataclasses.replace(conv.data, **{k: meta[k] for k in ("source", "text_field", "split",
                                                                            "heldout_fraction")})
     return conv
@@ -328,12 +328,12 @@ def _main_first(ctx: Dist):
         dist.barrier()
 
 
+@writes_out("recovery")
 def run_recovery(args: RecoveryArgs) -> dict:
     """Distil every policy x init on the same data and budget; curves, tokens-to-match table, NIAH along each run."""
     t0 = time.perf_counter()
     deadline = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
     runs = parse_runs(args)
-    check_out(args.out, "recovery", overwrite=args.overwrite, inputs={"--teacher": args.teacher})
     device = resolve_device(args.device)
     ctx, device = init_distributed(device)
     if ctx.world > 1 and args.train.parallel != "ddp":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from taylor_calibrate.checks import check_out
+from taylor_calibrate.checks import writes_out
 from taylor_calibrate.config import (AlignArgs, ConvertArgs, DistillArgs, TradeoffArgs, apply_profile, apply_train_profile,
                                      convert_args_of, parse_args_of)
 from taylor_calibrate.convert import convert, resolve_runtime
@@ -168,11 +168,11 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+@writes_out("tradeoff")
 def run_tradeoff(args: TradeoffArgs) -> dict:
     """Perplexity and retrieval (NIAH, teacher-forced answers) of conversions over KV budgets x policies, beside the
     teacher's; optionally after an end-to-end phase. JSON + markdown table + plot."""
     t0 = time.perf_counter()
-    check_out(args.out, "tradeoff", overwrite=args.overwrite, inputs={"--teacher": args.teacher})
     out = Path(args.out)
     device = resolve_device(args.device)
     teacher = load_teacher(args.teacher, device, resolve_dtype(args.dtype, device))

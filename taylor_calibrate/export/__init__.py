@@ -4,20 +4,40 @@ qwen3_5.py: transformers' Qwen3.5 (also vLLM, SGLang); gguf.py: llama.cpp's `qwe
 """
 from __future__ import annotations
 
-from taylor_calibrate.checks import check_out
-from taylor_calibrate.config import ExportArgs
+import json
+from pathlib import Path
+
+from taylor_calibrate.checkpoint import as_umask, write_errors
+from taylor_calibrate.checks import writes_out
+from taylor_calibrate.config import HEADWISE_TYPES, ExportArgs
 from taylor_calibrate.export.gguf import export_gguf
 from taylor_calibrate.export.qwen3_5 import export_qwen3_5
 
 
+def check_whole_layers(model: str) -> None:
+    """A Qwen3.5 layer is attention or GDN: a head-wise hybrid (`--policy heads`) has no exact form there."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        types = list(cfg.get("layer_types") or [])
+    except (OSError, ValueError, AttributeError, TypeError):
+        return  # the exporter names what is wrong with the directory
+    headwise = [i for i, t in enumerate(types) if t in HEADWISE_TYPES.values()]
+    if headwise:
+        raise ValueError(f"{model} is a head-wise hybrid (layers {headwise} keep some attention heads and convert the "
+                         "others), which Qwen3.5 cannot express (a layer there is attention or GDN as a whole); "
+                         "convert with a layer policy and --target qwen3_5 to export")
+
+
+@writes_out("export")
 def run_export(args: ExportArgs) -> dict:
     """Export a converted hybrid to a format that inference engines run without our package."""
-    check_out(args.out, "export", inputs={"--model": args.model})
+    check_whole_layers(args.model)
+    with write_errors(args.out):
+        out = (export_gguf if args.format == "gguf" else export_qwen3_5)(args.model, args.out)
+    as_umask(args.out)  # written by mkdtemp and safetensors (0700 / 0600)
     if args.format == "gguf":
-        out = export_gguf(args.model, args.out)
         print(f"exported {args.model} -> {out} (GGUF, llama.cpp architecture qwen35)")
     else:
-        out = export_qwen3_5(args.model, args.out)
         print(f"exported {args.model} -> {out} ({args.format}): load with transformers' AutoModelForCausalLM, no "
               "trust_remote_code")
     return {"model": args.model, "out": str(out), "format": args.format}

@@ -3,6 +3,7 @@ weights that do not cover the config, or a report.json that describes another mo
 Imports nothing of ours (the model uses them; checkpoint I/O lives in export.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -32,20 +33,51 @@ def check_loaded(path, info: dict, fix: str, unexpected: bool = False) -> None:
 
 
 def check_report(path, config) -> None:
-    """A convert output's report.json must describe the model its config.json describes."""
+    """A convert output's report.json must describe the model its config.json describes (and be a report at all)."""
     report = Path(path) / REPORT
-    if not report.is_file() or not hasattr(config, "layer_types"):
+    if not hasattr(config, "layer_types"):
+        return
+    if not report.is_file():
+        check_mixer_block(path, {})
         return
     try:
         rep = json.loads(report.read_text())
     except ValueError as e:
         raise ValueError(f"{report} is not valid JSON ({e}); convert again into a new --out") from None
+    name = getattr(config, "mixer", "gdn")
+    args = rep.get("args") if isinstance(rep, dict) else None
+    if not isinstance(rep, dict) or not isinstance(rep.get("layer_types", []), list) or \
+            not isinstance(args or {}, dict) or not isinstance((args or {}).get(name) or {}, dict):
+        raise ValueError(f"{report} is not a conversion report (a JSON object with layer_types and args); it is "
+                         "damaged: convert again into a new --out")
+    check_mixer_block(path, rep)
     if "layer_types" in rep and list(rep["layer_types"]) != list(config.layer_types or []):
         raise ValueError(f"{path}: report.json and config.json describe different models (layer_types "
                          f"{rep['layer_types']} vs {list(config.layer_types or [])}); the directory mixes two "
                          "conversions: convert again into a new --out")
-    name = getattr(config, "mixer", "gdn")
-    reported, stored = (rep.get("args") or {}).get(name), getattr(config, name, None)
+    reported, stored = (args or {}).get(name), getattr(config, name, None)
     if reported is not None and stored is not None and dict(reported) != dict(stored):
         raise ValueError(f"{path}: report.json and config.json give different {name} options ({reported} vs "
                          f"{stored}); the directory mixes two conversions: convert again into a new --out")
+
+
+def check_mixer_block(path, rep: dict) -> None:
+    """A hybrid's config.json must give every option of its mixer: a missing one would silently take today's
+    default, which need not be what the layer was converted and trained with."""
+    from taylor_calibrate.model.mixers import get_spec
+
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the loader reports it
+    if not isinstance(cfg, dict) or cfg.get("model_type") != "taylor_hybrid":
+        return
+    name = cfg.get("mixer", "gdn")
+    block = cfg.get(name) if isinstance(cfg.get(name), dict) else {}
+    missing = sorted({f.name for f in dataclasses.fields(get_spec(name).config)} - set(block))
+    if missing:
+        known = (rep.get("args") or {}).get(name)
+        fix = (f"add them back from report.json's args.{name}: \"{name}\": {json.dumps(known)}" if known else
+               "convert again into a new --out")
+        raise ValueError(f"{Path(path) / 'config.json'} does not give the {name} option(s) {missing} the hybrid was "
+                         f"converted with (defaults would be used silently); {fix}")

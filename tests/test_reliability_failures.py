@@ -1,0 +1,206 @@
+"""Reliability, second round (issue 40), through the CLI: a full disk and Ctrl-C end in one line with nothing left
+half-written; damaged files of ours (valid JSON of the wrong shape, shards beyond the vocabulary, a config that lost
+its GDN options) are named with the fix; a teacher with another vocabulary is refused by `eval` as by `distill`;
+outputs are as readable as the umask says."""
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import tiny_local_teacher, tiny_tokenizer
+from test_reliability import ENV, _cmd, cli, fails, succeeds, tree
+from test_reliability_inputs import SMALL, main
+
+EVAL = ["--data.seq_len", "64", "--data.eval_seqs", "2", "--device", "cpu", "--backend", "torch"]
+
+FULL_DISK = ("import sys, safetensors.torch, transformers.modeling_utils as mu\n"
+             "from safetensors import SafetensorError\n"
+             "def full(*a, **k):\n"
+             "    raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)'\n"
+             "                          ' IoError(Os { code: 28, kind: StorageFull })')\n"
+             "safetensors.torch.save_file = mu.safe_save_file = full\n"
+             "import taylor_calibrate.distill as d; d.save_file = full\n"
+             "from taylor_calibrate.cli import main\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+
+
+@pytest.fixture(scope="module")
+def fw(tmp_path_factory):
+    root = tmp_path_factory.mktemp("failures")
+    teacher, corpus = tiny_local_teacher(root)
+    hybrid = root / "hybrid"
+    old = os.umask(0o022)
+    try:
+        succeeds(cli("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", hybrid))
+    finally:
+        os.umask(old)
+    return root, teacher, corpus, hybrid
+
+
+def _full_disk(*argv) -> tuple[int, str]:
+    r = subprocess.run([sys.executable, "-c", FULL_DISK, *map(str, argv)], env=ENV, capture_output=True, text=True,
+                       timeout=600)
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_a_full_disk_during_convert_is_one_line_and_leaves_nothing(fw):
+    root, teacher, corpus, hybrid = fw
+    out = root / "full_convert"
+    fails(_full_disk("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", out),
+          "could not write .*full_convert", "no space left on the device", "free space")
+    assert not out.exists() and not [p for p in root.iterdir() if p.name.startswith(".full_convert")]
+
+
+def test_a_full_disk_while_distill_checkpoints_is_one_line_and_leaves_nothing(fw):
+    root, teacher, corpus, hybrid = fw
+    out = root / "full_distill"
+    fails(_full_disk("distill", "--student", hybrid, "--data.source", corpus, "--device", "cpu", "--backend",
+                     "torch", "--data.seq_len", "32", "--data.eval_seqs", "2", "--eval_batch_size", "2",
+                     "--train.batch_size", "2", "--train.tokens", "128", "--train.save_every", "1", "--out", out),
+          r"could not write .*checkpoints/step_\d+", "no space left")
+    assert not list((out / "checkpoints").glob("*")) if (out / "checkpoints").exists() else True
+
+
+def test_ctrl_c_is_one_line_and_exit_130(fw):
+    root, teacher, corpus, hybrid = fw
+    out = root / "interrupted"
+    p = subprocess.Popen(_cmd(["convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", out]),
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = ""
+    deadline = time.time() + 300
+    while "loading teacher" not in log and time.time() < deadline:
+        log += p.stdout.readline()
+    p.send_signal(signal.SIGINT)
+    log += p.stdout.read()
+    assert p.wait() == 130, log[-2000:]
+    assert "Traceback" not in log and "interrupted" in log
+    assert not out.exists() and not [q for q in root.iterdir() if q.name.startswith(".interrupted")]
+
+
+# --- damaged files of ours -------------------------------------------------------------------------------------
+def _copy(src, dst):
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("content", ["[]", '{"layer_types": 3}', '{"args": [1]}'])
+def test_a_report_of_the_wrong_shape_is_named(fw, content):
+    root, teacher, corpus, hybrid = fw
+    m = _copy(hybrid, root / "bad_report")
+    (m / "report.json").write_text(content)
+    fails(main("eval", "--model", m, "--data.source", corpus, *EVAL), r"bad_report/report\.json is not a conversion "
+          "report", "convert again")
+
+
+def test_a_config_that_lost_its_gdn_options_is_refused(fw):
+    root, teacher, corpus, hybrid = fw
+    m = _copy(hybrid, root / "no_gdn")
+    cfg = json.loads((m / "config.json").read_text())
+    del cfg["gdn"]
+    (m / "config.json").write_text(json.dumps(cfg))
+    fails(main("eval", "--model", m, "--data.source", corpus, *EVAL), r"does not give the GDN option\(s\) \[",
+          "report.json's args.gdn")
+    (m / "report.json").unlink()
+    fails(main("eval", "--model", m, "--data.source", corpus, *EVAL), "GDN option", "convert again")
+
+
+@pytest.mark.parametrize("damage", ["shape", "truncated", "beyond_vocab"])
+def test_damaged_token_shards_are_named(fw, damage):
+    root, teacher, corpus, hybrid = fw
+    shards = root / "shards"
+    if not shards.exists():
+        succeeds(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", shards))
+    d = _copy(shards, root / f"shards_{damage}")
+    if damage == "shape":
+        (d / "tokens.json").write_text('{"tokens": [1, 2]}')
+        pattern = "is not a token-shard description"
+    elif damage == "truncated":
+        f = d / "calib.bin"
+        f.write_bytes(f.read_bytes()[:100])
+        pattern = "holds 100 bytes where tokens.json records"
+    else:
+        meta = json.loads((d / "tokens.json").read_text())
+        ids = np.memmap(d / "calib.bin", dtype=meta["dtype"], mode="r+")
+        ids[5] = 9999
+        ids.flush()
+        del ids
+        pattern = "holds id 9999, beyond the tokenizer's"
+    fails(main("distill", "--student", hybrid, "--data.source", d, "--device", "cpu", "--backend", "torch",
+               "--data.seq_len", "32", "--data.eval_seqs", "2", "--train.tokens", "64", "--out", root / f"d_{damage}"),
+          pattern, "tokenise the corpus again")
+
+
+def test_metrics_and_state_of_the_wrong_shape_are_named(tmp_path):
+    from taylor_calibrate.distill import CorruptCheckpoint, _records, read_checkpoint
+
+    m = tmp_path / "metrics.jsonl"
+    m.write_text('{"step": 1}\n[1, 2]\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2 is not a metrics record"):
+        _records(m)
+    ck = tmp_path / "step_00000001"
+    ck.mkdir()
+    (ck / "state.json").write_text("[1]")
+    with pytest.raises(CorruptCheckpoint, match="step_00000001 is damaged"):
+        read_checkpoint(ck, None)
+
+
+# --- inputs against what they claim ----------------------------------------------------------------------------
+def test_eval_refuses_a_teacher_with_another_vocabulary(fw):
+    root, teacher, corpus, hybrid = fw
+    other = _copy(teacher, root / "other_vocab")
+    for f in other.glob("tokenizer*"):
+        f.unlink()
+    tiny_tokenizer([p.read_text().upper() for p in sorted(corpus.iterdir())]).save_pretrained(other)
+    out = root / "ev_other"
+    fails(main("eval", "--model", hybrid, "--teacher", other, "--agreement", "true", "--data.source", corpus, *EVAL,
+               "--out", out), "does not share the model's vocabulary", "pass the teacher it was converted from")
+    assert not (out / "report.json").exists()
+
+
+def test_convert_records_the_teacher_path_absolute(fw):
+    root, teacher, corpus, hybrid = fw
+    assert json.loads((hybrid / "config.json").read_text())["teacher_name"] == str(teacher.resolve())
+
+
+def test_tokenize_again_after_the_corpus_changed_rebuilds(fw):
+    root, teacher, corpus, hybrid = fw
+    c = _copy(corpus, root / "corpus_changing")
+    out = root / "tok_changing"
+    succeeds(main("tokenize", "--model", hybrid, "--data.source", c, "--out", out))
+    first = json.loads((out / "tokens.json").read_text())
+    assert first["corpus"]["path"] == str(c) and first["corpus"]["files"] == len(list(c.iterdir()))
+    (c / "new.txt").write_text("the river runs under old bridges. " * 40)
+    succeeds(main("tokenize", "--model", hybrid, "--data.source", c, "--out", out))
+    second = json.loads((out / "tokens.json").read_text())
+    assert second["corpus"]["sha1"] != first["corpus"]["sha1"]
+    assert sum(second["tokens"].values()) > sum(first["tokens"].values())
+    from taylor_calibrate.data import CorpusSpec, write_tokens
+    from taylor_calibrate.teacher import load_tokenizer
+    (c / "new.txt").write_text("changed again")
+    with pytest.raises(ValueError, match="it changed since"):
+        write_tokens(CorpusSpec(source=str(c)), load_tokenizer(str(hybrid)), out)
+
+
+# --- permissions -----------------------------------------------------------------------------------------------
+def test_outputs_are_readable_as_the_umask_says(fw):
+    root, teacher, corpus, hybrid = fw
+    assert stat.S_IMODE(hybrid.stat().st_mode) == 0o755
+    assert stat.S_IMODE((hybrid / "report.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE((hybrid / "model.safetensors").stat().st_mode) == 0o644
+
+
+def test_export_of_a_headwise_hybrid_is_refused(tmp_path):
+    from conftest import tiny_saved_hybrid
+
+    hybrid, _ = tiny_saved_hybrid(tmp_path)
+    before = tree(hybrid)
+    out = tmp_path / "exported"
+    fails(main("export", "--model", hybrid, "--out", out), "is a head-wise hybrid", "--target qwen3_5")
+    assert not out.exists() and tree(hybrid) == before

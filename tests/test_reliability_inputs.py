@@ -1,0 +1,278 @@
+"""Reliability, second round (issue 40), through the CLI: --out never is, holds or lies inside an input; one writer
+per output (a lock held by a real process); non-finite options refused at parse; no remote code on a terminal or
+off one. Refusals come before any model is loaded: those cases call the CLI's `main` in this process (a process
+start costs seconds); holders of a lock, hangs and terminals are real processes."""
+import contextlib
+import io
+import json
+import os
+import pty
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import tiny_local_teacher
+from test_reliability import ENV, _cmd, cli, fails, succeeds, tree
+
+def main(*argv) -> tuple[int, str]:
+    """`taylor-calibrate *argv` in this process: (exit code, what it printed)."""
+    from taylor_calibrate.cli import main as cli_main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        rc = cli_main([str(a) for a in argv])
+    return rc, buf.getvalue()
+
+
+SMALL = ["--data.seq_len", "64", "--data.calib_seqs", "4", "--data.eval_seqs", "2", "--phase2.steps", "2",
+         "--device", "cpu", "--backend", "torch"]
+
+
+@pytest.fixture(scope="module")
+def tw(tmp_path_factory):
+    """(root, teacher, corpus, a converted hybrid) with the hashes of teacher, corpus and hybrid."""
+    root = tmp_path_factory.mktemp("inputs")
+    teacher, corpus = tiny_local_teacher(root)
+    hybrid = root / "hybrid"
+    succeeds(cli("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", hybrid))
+    return root, teacher, corpus, hybrid
+
+
+@pytest.fixture(autouse=True)
+def inputs_untouched(request):
+    if "tw" not in request.fixturenames:
+        yield
+        return
+    root, teacher, corpus, hybrid = request.getfixturevalue("tw")
+    before = [tree(teacher), tree(corpus), tree(hybrid)]
+    yield
+    assert [tree(teacher), tree(corpus), tree(hybrid)] == before
+
+
+# --- never write over or inside an input -----------------------------------------------------------------------
+def _writers(root, teacher, corpus, hybrid, out):
+    """One command line per command that writes, all with --out `out`."""
+    data = ["--data.source", corpus]
+    return {
+        "convert": ["convert", "--teacher", teacher, *data, "--out", out, "--overwrite", "true"],
+        "distill": ["distill", "--student", hybrid, "--teacher", teacher, *data, "--out", out, "--overwrite", "true"],
+        "tokenize": ["tokenize", "--model", teacher, *data, "--out", out],
+        "eval": ["eval", "--model", hybrid, "--teacher", teacher, *data, "--out", out, "--overwrite", "true"],
+        "export": ["export", "--model", hybrid, "--out", out],
+        "ablate": ["ablate", "--teacher", teacher, *data, "--out", out, "--overwrite", "true"],
+        "recovery": ["recovery", "--teacher", teacher, *data, "--out", out, "--overwrite", "true"],
+        "tradeoff": ["tradeoff", "--teacher", teacher, *data, "--out", out, "--overwrite", "true"],
+    }
+
+
+@pytest.mark.parametrize("command", ["convert", "distill", "tokenize", "eval", "export", "ablate", "recovery",
+                                     "tradeoff"])
+def test_out_is_holds_or_lies_inside_an_input(tw, command):
+    root, teacher, corpus, hybrid = tw
+    cases = [(corpus, "is the --data.source directory"), (root, "holds the"), (corpus / "sub", "lies inside the "
+             "--data.source"), (teacher / "hybrid", "lies inside the --(teacher|model)")]
+    if command in ("distill",):
+        cases.append((hybrid / "run", "lies inside the --student"))
+    if command == "export":  # its only input is --model
+        cases = [(hybrid, "is the --model directory"), (root, "holds the --model"),
+                 (hybrid / "qwen", "lies inside the --model")]
+    if command == "tokenize":
+        cases.append((teacher, "is the --model directory"))
+    for out, message in cases:
+        fails(main(*_writers(root, teacher, corpus, hybrid, out)[command]), f"--out .*{message}", "pass another --out")
+        assert not (corpus / "sub").exists() and not (teacher / "hybrid").exists() and not (hybrid / "run").exists()
+
+
+def test_eval_may_write_inside_its_model_but_not_inside_its_teacher(tw):
+    root, teacher, corpus, hybrid = tw
+    fails(main("eval", "--model", hybrid, "--teacher", teacher, "--data.source", corpus, "--out", teacher / "ev"),
+          "lies inside the --teacher")
+
+
+def test_a_fifo_data_source_is_refused_not_waited_on(tw):
+    root, teacher, corpus, hybrid = tw
+    fifo = root / "fifo"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    r = subprocess.run(_cmd(["tokenize", "--model", teacher, "--data.source", fifo, "--out", root / "tok_fifo"]),
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    fails((r.returncode, r.stdout + r.stderr), "is not a regular file or directory", "save the text to a file")
+    assert not (root / "tok_fifo").exists()
+
+
+def test_a_dangling_link_out_fails_before_any_work(tw):
+    root, teacher, corpus, hybrid = tw
+    link = root / "dangling"
+    if not link.is_symlink():
+        link.symlink_to(root / "nowhere")
+    rc, log = main("convert", "--teacher", teacher, "--data.source", corpus, "--out", link)
+    fails((rc, log), "is a link to .*nowhere, which does not exist")
+    assert "loading teacher" not in log
+
+
+def test_export_hint_does_not_offer_overwrite(tw):
+    root, teacher, corpus, hybrid = tw
+    d = root / "full"
+    d.mkdir(exist_ok=True)
+    (d / "mine.txt").write_text("mine")
+    err = fails(main("export", "--model", hybrid, "--out", d), "non-empty directory", "never overwritten")
+    assert "--overwrite" not in err and (d / "mine.txt").read_text() == "mine"
+
+
+# --- one writer per output -------------------------------------------------------------------------------------
+HOLD = ("import sys, time\n"
+        "from taylor_calibrate.checks import output_lock\n"
+        "with output_lock(sys.argv[1], 'convert'):\n"
+        "    print('locked', flush=True)\n"
+        "    time.sleep(600)\n")
+
+
+def _holder(out: Path) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], env=ENV, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+@pytest.mark.parametrize("command", ["convert", "distill", "tokenize", "eval", "export"])
+def test_a_second_writer_is_refused_naming_the_first(tw, command):
+    root, teacher, corpus, hybrid = tw
+    out = root / f"locked_{command}"
+    holder = _holder(out)
+    try:
+        err = fails(main(*_writers(root, teacher, corpus, hybrid, out)[command]),
+                    "is being written by another run", f"pid {holder.pid} on ", "`convert`", "pass another --out")
+        assert str(root / f".locked_{command}.lock") in err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not out.exists()
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over(tw):
+    root, teacher, corpus, hybrid = tw
+    out = root / "stale"
+    holder = _holder(out)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    lock = root / ".stale.lock"
+    assert json.loads(lock.read_text())["pid"] == holder.pid  # left behind, its owner dead
+    succeeds(cli("tokenize", "--model", teacher, "--data.source", corpus, "--out", out))
+    assert (out / "tokens.json").exists() and not lock.exists()
+
+
+def test_two_tokenize_runs_into_one_out_one_refused(tw):
+    """Two real runs started together: one writes the shards, the other refuses naming it (or, when the first has
+    finished before the second looks, reuses them): never a crash or a half-written directory."""
+    root, teacher, corpus, hybrid = tw
+    out = root / "together"
+    argv = _cmd(["tokenize", "--model", teacher, "--data.source", corpus, "--out", out])
+    ps = [subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+          for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stdout.read()) for p in ps]
+    assert sorted(rc for rc, _ in results)[0] == 0, results
+    for rc, log in results:
+        assert "Traceback" not in log
+        if rc:
+            fails((rc, log), "is being written by another run")
+    assert json.loads((out / "tokens.json").read_text())["tokens"]["calib"] > 0
+
+
+# --- non-finite options ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--phase2.lr=.nan", "--phase2.far_weight=.nan", "--phase2.sink_weight=.inf",
+                                  "--phase2.grad_clip=-.inf", "--calib.gate_alpha=.nan", "--phase2.weight_decay=.nan"])
+def test_non_finite_convert_options_are_refused(tw, flag):
+    root, teacher, corpus, hybrid = tw
+    name = flag.split("=")[0]
+    rc, log = main("convert", "--teacher", teacher, "--data.source", corpus, "--out", root / "nan", flag)
+    fails((rc, log), f"{name}=-?(nan|inf) is not a finite number")
+    assert "loading teacher" not in log
+
+
+@pytest.mark.parametrize("flag", ["--train.lr=.nan", "--train.grad_clip=.nan", "--train.temperature=.nan",
+                                  "--train.kl_weight=.nan", "--train.far_weight=.inf"])
+def test_non_finite_distill_options_are_refused(tw, flag):
+    root, teacher, corpus, hybrid = tw
+    fails(main("distill", "--student", hybrid, "--data.source", corpus, "--out", root / "nan_d", flag),
+          f"{flag.split('=')[0]}=(nan|inf) is not a finite number")
+
+
+def test_non_finite_list_option_is_refused(tw):
+    root, teacher, corpus, hybrid = tw
+    fails(main("tradeoff", "--teacher", teacher, "--budgets", "[0.25, .nan]", "--out", root / "nan_t"), "nan")
+
+
+# --- no remote code --------------------------------------------------------------------------------------------
+def _remote_code_dir(root: Path, teacher: Path, model_type: str) -> tuple[Path, Path]:
+    """A copy of the teacher whose config and tokenizer config name code of the directory (auto_map); importing it
+    writes a marker file."""
+    d = root / f"remote_{model_type}"
+    marker = root / f"ran_{model_type}"
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(teacher, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type=model_type, auto_map={"AutoConfig": "evil.EvilConfig",
+                                                "AutoModelForCausalLM": "evil.EvilModel"})
+    (d / "config.json").write_text(json.dumps(cfg))
+    tok = json.loads((d / "tokenizer_config.json").read_text())
+    tok["auto_map"] = {"AutoTokenizer": ["evil.EvilTok", None]}
+    (d / "tokenizer_config.json").write_text(json.dumps(tok))
+    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                               "from transformers import LlamaConfig as EvilConfig, LlamaForCausalLM as EvilModel\n"
+                               "from transformers import PreTrainedTokenizerFast as EvilTok\n")
+    return d, marker
+
+
+def _on_a_terminal(argv, timeout=300) -> tuple[int, str]:
+    """Run argv on a pseudo-terminal, answering "y" to any question; (exit code, everything it printed)."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.environ.update(ENV)
+        os.execvp(argv[0], argv)
+    out, deadline, status = b"", time.time() + timeout, None
+    while status is None:
+        if time.time() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"hung on a terminal: {out.decode(errors='replace')[-2000:]}")
+        if select.select([fd], [], [], 0.5)[0]:
+            try:
+                data = os.read(fd, 4096)
+            except OSError:
+                data = b""
+            out += data
+            if b"[y/N]" in out[-200:]:
+                os.write(fd, b"y\n")
+        done, st = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = os.waitstatus_to_exitcode(st)
+    os.close(fd)
+    return status, out.decode(errors="replace")
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_remote_code_is_never_run(tw, terminal):
+    root, teacher, corpus, hybrid = tw
+    d, marker = _remote_code_dir(root, teacher, "evil_llama")
+    argv = _cmd(["convert", "--teacher", d, "--data.source", corpus, *SMALL, "--out", root / "remote_out"])
+    if terminal:
+        rc, log = _on_a_terminal(argv)
+    else:
+        r = subprocess.run(argv, env=ENV, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+        rc, log = r.returncode, r.stdout + r.stderr
+    assert "[y/N]" not in log and not marker.exists()
+    fails((rc, log.replace("\r", "")), "needs custom code", "never runs")
+
+
+def test_an_auto_map_of_a_known_architecture_loads_the_library_class(tw):
+    """An auto_map beside a model_type transformers knows: its own class loads, the directory's code does not run."""
+    root, teacher, corpus, hybrid = tw
+    d, marker = _remote_code_dir(root, teacher, "llama")
+    rc, log = _on_a_terminal(_cmd(["eval", "--model", d, "--data.source", corpus, "--data.seq_len", "64",
+                                   "--data.eval_seqs", "2", "--device", "cpu", "--backend", "torch",
+                                   "--out", root / "remote_eval"]))
+    assert rc == 0, log[-2000:]
+    assert "[y/N]" not in log and not marker.exists()
