@@ -138,15 +138,16 @@ def _holder(out: Path) -> subprocess.Popen:
     return p
 
 
-@pytest.mark.parametrize("command", ["convert", "distill", "tokenize", "eval", "export"])
-def test_a_second_writer_is_refused_naming_the_first(tw, command):
+def test_a_second_writer_is_refused_naming_the_first(tw):
+    """A real process holds the lock of --out: every command that writes there refuses, naming it."""
     root, teacher, corpus, hybrid = tw
-    out = root / f"locked_{command}"
+    out = root / "locked"
     holder = _holder(out)
     try:
-        err = fails(main(*_writers(root, teacher, corpus, hybrid, out)[command]),
-                    "is being written by another run", f"pid {holder.pid} on ", "`convert`", "pass another --out")
-        assert str(root / f".locked_{command}.lock") in err
+        for command, argv in _writers(root, teacher, corpus, hybrid, out).items():
+            err = fails(main(*argv), "is being written by another run", f"pid {holder.pid} on ", "`convert`",
+                        "pass another --out")
+            assert str(root / ".locked.lock") in err, command
     finally:
         holder.kill()
         holder.wait()
