@@ -9,7 +9,8 @@ from pathlib import Path
 
 from taylor_calibrate.checkpoint import as_umask, write_errors
 from taylor_calibrate.checks import writes_out
-from taylor_calibrate.config import HEADWISE_TYPES, ExportArgs
+from taylor_calibrate.config import ExportArgs
+from taylor_calibrate.model.hybrid_config import HEADWISE_TYPES
 from taylor_calibrate.export.gguf import export_gguf
 from taylor_calibrate.export.qwen3_5 import export_qwen3_5
 
