@@ -81,6 +81,7 @@ def test_eval_subcommand_with_yaml(converted, tmp_path):
     (["convert", "--teacher", "/nope/x.gguf"], "does not exist"),
     (["convert", "--init", "magic"], "init='magic'"),
     (["convert", "--backend", "cuda-magic"], "backend"),
+    (["convert", "--keep_every", "1"], "nothing would be converted"),
 ])
 def test_cli_bad_input_is_a_clear_error(argv, match, capsys, tmp_path):
     assert main([*argv, "--out", str(tmp_path), *SMALL]) == 2
