@@ -1,6 +1,6 @@
 """Export a hybrid to a GGUF file for llama.cpp's `qwen35` architecture, written with the `gguf` package.
 
-The weights are the Qwen3.5 form (qwen3_5.py) renamed with gguf's own tensor-name map for QWEN35, with the three
+The weights are the Qwen3.5 form (export/qwen3_5.py) renamed with gguf's own tensor-name map for QWEN35, with the three
 changes llama.cpp's loader expects: RMSNorm weights stored as the multiplier w (Qwen3.5 safetensors store w - 1; the
 GDN's gated norm is already w), `A_log` stored as A = -exp(A_log) (`ssm_a`), `dt_bias` as `ssm_dt.bias`, and the
 depthwise conv kernel as (channels, K). The layer pattern goes in `qwen35.attention.recurrent_layers` (any pattern;

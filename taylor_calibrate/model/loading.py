@@ -1,6 +1,6 @@
-"""Load-time checks of a saved model directory, applied by the hybrid's `from_pretrained` and by export.py's readers:
-weights that do not cover the config, or a report.json that describes another model, are refused with the fix.
-Imports nothing of ours (the model uses them; checkpoint I/O lives in export.py)."""
+"""Load-time checks of a saved model directory, applied by the hybrid's `from_pretrained` and by checkpoint.py's
+readers: weights that do not cover the config, or a report.json that describes another model, are refused with the
+fix. The model uses them; checkpoint I/O lives in checkpoint.py, which the model does not import."""
 from __future__ import annotations
 
 import dataclasses
