@@ -105,10 +105,10 @@ def test_a_config_that_lost_its_gdn_options_is_refused(fw):
     cfg = json.loads((m / "config.json").read_text())
     del cfg["gdn"]
     (m / "config.json").write_text(json.dumps(cfg))
-    fails(main("eval", "--model", m, "--data.source", corpus, *EVAL), r"does not give the GDN option\(s\) \[",
+    fails(main("eval", "--model", m, "--data.source", corpus, *EVAL), r"does not give the gdn option\(s\) \[",
           "report.json's args.gdn")
     (m / "report.json").unlink()
-    fails(main("eval", "--model", m, "--data.source", corpus, *EVAL), "GDN option", "convert again")
+    fails(main("eval", "--model", m, "--data.source", corpus, *EVAL), "gdn option", "convert again")
 
 
 @pytest.mark.parametrize("damage", ["shape", "truncated", "beyond_vocab"])
