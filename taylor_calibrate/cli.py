@@ -13,13 +13,14 @@ import sys
 from jsonargparse import ArgumentParser, set_parsing_settings
 
 from taylor_calibrate.experiments.ablate import run_ablate
-from taylor_calibrate.config import (AblateArgs, ConvertArgs, DistillArgs, EvalArgs, ExportArgs, RecoveryArgs,
+from taylor_calibrate.config import (AblateArgs, ConvertArgs, DamageArgs, DistillArgs, EvalArgs, ExportArgs, RecoveryArgs,
                                      TokenizeArgs, TradeoffArgs, args_of, args_parser)
 from taylor_calibrate.convert import run_convert
 from taylor_calibrate.data import run_tokenize
 from taylor_calibrate.distill import run_distill
 from taylor_calibrate.evaluate import run_eval
 from taylor_calibrate.export import run_export
+from taylor_calibrate.experiments.damage import run_damage
 from taylor_calibrate.experiments.recovery import run_recovery
 from taylor_calibrate.experiments.tradeoff import run_tradeoff
 from taylor_calibrate.results import ReportArgs, package_state, run_report
@@ -28,6 +29,7 @@ COMMANDS = {
     "convert": (ConvertArgs, run_convert),
     "eval": (EvalArgs, run_eval),
     "ablate": (AblateArgs, run_ablate),
+    "damage": (DamageArgs, run_damage),
     "tokenize": (TokenizeArgs, run_tokenize),
     "distill": (DistillArgs, run_distill),
     "recovery": (RecoveryArgs, run_recovery),

@@ -368,6 +368,20 @@ class AblateArgs(PipelineArgs):
     """The command line to record in the results (for reproducibility)."""
 
 
+@dataclass
+class DamageArgs(PipelineArgs):
+    """`taylor-calibrate damage`: the zero-shot cost of converting each layer (or each given set of layers)."""
+
+    out: str = "out/damage"
+    """Output directory for damage.json and damage.md."""
+    init: str = "taylor+align"
+    """How each converted layer's mixer starts: <copy|zero_gate|paper|taylor>[+align]; "align" = copy + alignment."""
+    sets: list[str] = field(default_factory=list)
+    """Sets of layers converted together, one row each ("5,17", "0-3"); empty: every layer alone."""
+    command: str | None = None
+    """The command line to record in the results (for reproducibility)."""
+
+
 def fill_align(phase2: AlignArgs, profile: str) -> AlignArgs:
     """Fill phase 2's unset (None) options from a profile, in place."""
     _fill(phase2, load_profile(profile)["phase2"])

@@ -30,7 +30,7 @@ from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import (ON_HYBRIDS, RETRIEVAL, SCORED, combined_scores, gdn_layers, group_scores,
                                      kept_groups_of, kept_layers, layer_groups, layer_scores)
 from taylor_calibrate.results import record
-from taylor_calibrate.retrieval import answer_scores, calibration_probes, eval_probes, probe_length
+from taylor_calibrate.retrieval import answer_scores, calibration_probes, fitting_probes, selection_lengths
 from taylor_calibrate.stats import attention_targets, collect_stats, far_weights, retrieval_heads, store_device_for
 from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, Teacher, gguf_tokenizer_metadata, load_teacher,
                                       resolve_device, resolve_dtype, teacher_gguf_path, teacher_ref)
@@ -127,15 +127,8 @@ def retrieval_probes(args: ConvertArgs, teacher: Teacher, auto: bool) -> tuple[i
     policies that select by retrieval fail, or under `--policy auto` fall back to "uniform" (logged); the others
     report no retrieval (logged)."""
     try:
-        length = probe_length(args.data.seq_len, teacher.model.config)
-        while True:  # a tokenizer with many tokens per word needs longer prompts: double up to the context
-            try:
-                return length, eval_probes(teacher.tokenizer, length, args.probe_samples), args.policy
-            except ValueError:
-                longer = probe_length(2 * length, teacher.model.config)
-                if longer == length:
-                    raise
-                length = longer
+        return *fitting_probes(teacher.tokenizer, teacher.model.config, args.data.seq_len, args.probe_samples), \
+            args.policy
     except ValueError as e:
         if args.policy in RETRIEVAL and auto:
             log.warning("policy auto: the retrieval probes do not fit this teacher (%s); keeping layers uniformly", e)
@@ -171,8 +164,7 @@ def choose_from_teacher(args: ConvertArgs, teacher: Teacher, splits: TokenSplits
     if policy not in RETRIEVAL:
         return Choice(policy)
     words = tuple(teacher.tokenizer.decode(splits.calib[:8].flatten()).split())
-    long = probe_length(4 * probe_len, cfg)  # retrieval heads far back too, not only near
-    probes = [p for length in dict.fromkeys([probe_len, long])
+    probes = [p for length in selection_lengths(probe_len, cfg)  # retrieval far back too, past every window
               for p in calibration_probes(teacher.tokenizer, words, length=length, samples=args.probe_samples)]
     groups = group_scores(retrieval_heads(teacher.model, probes), kv)
     if policy == "heads":

@@ -31,6 +31,8 @@ import torch
 from tqdm.auto import tqdm
 
 from taylor_calibrate.config import NIAH_LENGTHS as LENGTHS, NIAH_NEW_TOKENS, NIAH_TASKS as TASKS
+from taylor_calibrate.memory import SLIDING_TYPES
+from taylor_calibrate.model.hybrid_config import cached_layer_types
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -365,10 +367,34 @@ def probe_length(seq_len: int, config) -> int:
     return min(max(seq_len, PROBE_MIN_LENGTH), max_pos)
 
 
+def selection_lengths(seq_len: int, config) -> list[int]:
+    """Lengths of the calibration probes that choose what stays: the calibration rows' length, and one 4x longer
+    that also passes every sliding window at least twice over (beyond its window a needle is reachable only through
+    full-attention layers), both capped by the model's context."""
+    short = probe_length(seq_len, config)
+    windowed = any(t in SLIDING_TYPES for t in cached_layer_types(config))
+    window = int(getattr(config, "sliding_window", None) or 0) if windowed else 0
+    return list(dict.fromkeys([short, probe_length(max(4 * short, 2 * window), config)]))
+
+
 def eval_probes(tokenizer, length: int, samples: int = 8, tasks=TASKS, seed: int = 0) -> list[Probe]:
     """Retrieval probes for reporting: the evaluation haystack and the needles `niah_scores` uses with the same seed."""
     return [make_probe(s, tokenizer) for t in tasks for s in make_samples(t, tokenizer, length, samples, seed,
                                                                        PROBE_ROOM)]
+
+
+def fitting_probes(tokenizer, config, seq_len: int, samples: int) -> tuple[int, list[Probe]]:
+    """(length, evaluation probes) at the calibration rows' length, doubled up to the model's context while the
+    probes do not fit (a tokenizer with many tokens per word needs longer prompts); ValueError when none fits."""
+    length = probe_length(seq_len, config)
+    while True:
+        try:
+            return length, eval_probes(tokenizer, length, samples)
+        except ValueError:
+            longer = probe_length(2 * length, config)
+            if longer == length:
+                raise
+            length = longer
 
 
 @torch.no_grad()

@@ -1,0 +1,45 @@
+"""The `damage` experiment on a tiny local teacher: one row per converted set, its bytes and costs; and the
+selection probes' lengths, which pass every sliding window."""
+import json
+
+import pytest
+from conftest import one_thread, tiny_config, tiny_local_teacher
+
+from taylor_calibrate.config import AlignArgs, DamageArgs, DataArgs
+from taylor_calibrate.experiments.damage import run_damage
+from taylor_calibrate.retrieval import selection_lengths
+
+
+@pytest.mark.parametrize("arch, window, expected", [
+    ("llama", None, [512, 2048]),  # no window: the rows' length and 4x
+    ("gemma3_text", 1024, [512, 2048]),  # 4x already passes the window twice
+    ("gemma3_text", 2048, [512, 4096]),  # the long probes stretch to twice the window
+    ("mistral", 4096, [512, 8192]),  # every layer windowed
+])
+def test_selection_probes_pass_every_window(arch, window, expected):
+    over = {"max_position_embeddings": 32768} | ({"sliding_window": window} if window else {})
+    assert selection_lengths(512, tiny_config(arch, **over)) == expected
+
+
+def test_selection_probes_stay_within_the_context():
+    cfg = tiny_config("gemma3_text", sliding_window=2048, max_position_embeddings=3000)
+    assert selection_lengths(512, cfg) == [512, 3000]
+
+
+def test_one_row_per_set(tmp_path):
+    teacher, corpus = tiny_local_teacher(tmp_path, max_position_embeddings=2048)
+    args = DamageArgs(teacher=str(teacher), out=str(tmp_path / "out"), sets=["1", "0,2"], profile="quick",
+                      data=DataArgs(source=str(corpus), seq_len=32, calib_seqs=4, eval_seqs=2),
+                      phase2=AlignArgs(steps=2, batch_size=2), device="cpu", backend="torch", eval_batch_size=2,
+                      probe_samples=1, command="pytest tests/test_damage.py")
+    with one_thread():
+        result = run_damage(args)
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["1", "0,2"] and rows["0,2"]["converted"] == [0, 2]
+    assert rows["0,2"]["kv_fraction"] < rows["1"]["kv_fraction"] < 1  # converting more keeps fewer bytes
+    for r in rows.values():
+        assert r["kl"] > 0 and set(r["probes"]["tasks"]) == {"single", "multikey", "passkey"}
+    assert result["probe_lengths"][-1] >= 4 * result["probe_lengths"][0] or result["probe_lengths"][-1] == 2048
+    saved = json.loads((tmp_path / "out" / "damage.json").read_text())
+    assert saved["commit"] and saved["rows"][1]["name"] == "0,2"
+    assert "| 0,2 |" in (tmp_path / "out" / "damage.md").read_text()
