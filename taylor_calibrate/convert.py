@@ -22,17 +22,18 @@ from taylor_calibrate.checkpoint import REPORT, check_finite, staged_dir
 from taylor_calibrate.checks import check_context, writes_out
 from taylor_calibrate.config import ConvertArgs, apply_profile
 from taylor_calibrate.data import TokenSplits, load_splits
-from taylor_calibrate.evaluate import check_finite_eval, perplexity, print_table
+from taylor_calibrate.evaluate import agreement, check_finite_eval, perplexity, print_table
 from taylor_calibrate.export.qwen3_5 import check_qwen3_form, qwen3_form, start_qk_norm, target_gdn
 from taylor_calibrate.memory import byte_budget, cache_report, cache_rows, default_context
 from taylor_calibrate.model.hybrid import convert_teacher
 from taylor_calibrate.ops import resolve_backend, training_backend
-from taylor_calibrate.policy import (ON_HYBRIDS, RETRIEVAL, SCORED, combined_scores, gdn_layers, group_scores,
-                                     kept_groups_of, kept_layers, layer_groups, layer_scores)
+from taylor_calibrate.policy import (ON_HYBRIDS, RETRIEVAL, SCORED, causal_scores, combined_scores, gdn_layers,
+                                     group_scores, kept_groups_of, kept_layers, knockout_candidates, layer_groups,
+                                     layer_scores)
 from taylor_calibrate.results import record
 from taylor_calibrate.retrieval import answer_scores, calibration_probes, fitting_probes, selection_lengths
-from taylor_calibrate.stats import (attention_targets, collect_stats, position_weights, retrieval_heads,
-                                   store_device_for)
+from taylor_calibrate.stats import (attention_targets, collect_stats, knockout_drops, position_weights,
+                                   retrieval_heads, store_device_for)
 from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, Teacher, gguf_tokenizer_metadata, load_teacher,
                                       resolve_device, resolve_dtype, teacher_gguf_path, teacher_ref)
 
@@ -84,10 +85,12 @@ class Choice:
     kept_groups: dict[int, list[int]] | None = None
     scores: object = None
     retrieval_scores: list[float] | None = None  # `combined`: the retrieval half, mixed in after phase 1
+    knockouts: dict | None = None  # retrieval policies: the needle attention mass and the knockouts that ranked it
 
     def settled(self, n: int, kv: int) -> "Choice":
         """The choice with every layer's kept groups filled in (whole layers: all groups or none)."""
-        return Choice(self.policy, self.kept, self.kept_groups or layer_groups(self.kept, n, kv), self.scores)
+        return Choice(self.policy, self.kept, self.kept_groups or layer_groups(self.kept, n, kv), self.scores,
+                      knockouts=self.knockouts)
 
     def converted(self, kv: int) -> list[int]:
         """Layers with GDN heads (the choice must be settled)."""
@@ -165,16 +168,44 @@ def choose_from_teacher(args: ConvertArgs, teacher: Teacher, splits: TokenSplits
     if policy not in RETRIEVAL:
         return Choice(policy)
     words = tuple(teacher.tokenizer.decode(splits.calib[:8].flatten()).split())
-    probes = [p for length in selection_lengths(probe_len, cfg)  # retrieval far back too, past every window
-              for p in calibration_probes(teacher.tokenizer, words, length=length, samples=args.probe_samples)]
-    groups = group_scores(retrieval_heads(teacher.model, probes), kv)
+    lengths = selection_lengths(probe_len, cfg)  # retrieval far back too, past every window
+    probes = {length: calibration_probes(teacher.tokenizer, words, length=length, samples=args.probe_samples)
+              for length in lengths}
+    mass = group_scores(retrieval_heads(teacher.model, [p for ps in probes.values() for p in ps]), kv)
+    if policy == "heads":
+        def keeps(scores):
+            return {(i, g) for i, gs in kept_groups_of(scores, args.keep_every, budget).items() for g in gs}
+    else:
+        def keeps(scores):
+            return {(i, g) for i in kept_layers("retrieval", n, args.keep_every, scores.sum(1).tolist(), budget)
+                    for g in range(kv)}
+    groups, knockouts = knocked_out(teacher.model, mass, probes[lengths[-1]], keeps)
     if policy == "heads":
         kept_groups = kept_groups_of(groups, args.keep_every, budget)
-        return Choice(policy, [i for i, g in kept_groups.items() if len(g) == kv], kept_groups, groups.tolist())
+        return Choice(policy, [i for i, g in kept_groups.items() if len(g) == kv], kept_groups, groups.tolist(),
+                      knockouts=knockouts)
     if policy == "retrieval":
         return Choice(policy, kept_layers(policy, n, args.keep_every, groups.sum(1).tolist(), budget),
-                      scores=groups.tolist())
-    return Choice(policy, scores=groups.tolist(), retrieval_scores=groups.sum(1).tolist())  # combined
+                      scores=groups.tolist(), knockouts=knockouts)
+    return Choice(policy, scores=groups.tolist(), retrieval_scores=groups.sum(1).tolist(),  # combined
+                  knockouts=knockouts)
+
+
+def knocked_out(model, mass: torch.Tensor, probes: list, keeps, per_task: int = 4) -> tuple[torch.Tensor, dict]:
+    """Retrieval scores that follow what the answer needs: the groups with the most needle attention (`mass`,
+    (layers, KV groups)) are knocked out one at a time on the longest selection probes (`per_task` of each task),
+    and `policy.causal_scores` ranks them by the answer log-probability lost. Only needed when the budget cannot keep
+    every candidate (`keeps(scores)`: the units a policy keeps under these scores); otherwise any order among them
+    keeps the same set, and the mass is the score. Returns (scores, the knockout record or None)."""
+    units = knockout_candidates(mass)
+    if set(units) <= keeps(mass):
+        return mass, None
+    per = model.config.num_attention_heads // mass.shape[1]
+    tasks = dict.fromkeys(p.task for p in probes)
+    chosen = [p for t in tasks for p in [q for q in probes if q.task == t][:per_task]]
+    drops = knockout_drops(model, chosen, [(i, list(range(g * per, (g + 1) * per))) for i, g in units])
+    record = {"mass": mass.tolist(), "units": [list(u) for u in units], "drops": drops, "probes": len(chosen)}
+    return causal_scores(mass, dict(zip(units, drops))), record
 
 
 def candidate_layers(choice: Choice, n: int, kv: int) -> list[int]:
@@ -292,6 +323,8 @@ def convert(args: ConvertArgs, teacher: Teacher, rt: Runtime, clock: Clock | Non
     with clock("hybrid_eval"):
         hybrid_eval = perplexity(hybrid, splits.heldout, args.eval_batch_size, desc="hybrid ppl")
         check_finite_eval({"the converted model's": hybrid_eval["ppl"]}, fix)
+        agree = agreement(hybrid, teacher.model, splits.heldout, args.eval_batch_size)  # a hybrid aligned on a
+        # text can beat its teacher's perplexity there: KL says how far it is from the teacher
         hybrid_retrieval = answer_scores(hybrid, probes) if probes else None
 
     report = {
@@ -299,8 +332,8 @@ def convert(args: ConvertArgs, teacher: Teacher, rt: Runtime, clock: Clock | Non
         "layer_types": list(hybrid.config.layer_types), "kept_layers": choice.kept, "gdn_layers": converted,
         "headwise_kept_groups": {str(i): g for i, g in headwise.items()},
         **cache_report(cfg, hybrid.config, context, rt.dtype),  # context, kv_bytes, kv_fraction (bytes)
-        "policy_scores": choice.scores,
-        "teacher_ppl": teacher_eval["ppl"], "hybrid_ppl": hybrid_eval["ppl"],
+        "policy_scores": choice.scores, "retrieval_knockouts": choice.knockouts,
+        "teacher_ppl": teacher_eval["ppl"], "hybrid_ppl": hybrid_eval["ppl"], "agreement": agree,
         "retrieval": probes and {"teacher": teacher_retrieval, "hybrid": hybrid_retrieval, "probes": len(probes),
                                  "length": probe_len},
         "eval_tokens": hybrid_eval["tokens"], "calib_tokens": int(splits.calib.numel()),
@@ -357,6 +390,8 @@ def print_summary(report: dict, args: ConvertArgs, out: Path | None) -> None:
           f"kept attention {kept}")
     init = f"{args.init}{' + align' if args.align else ''}"
     rows = [("teacher ppl", f"{report['teacher_ppl']:.3f}"), (f"hybrid ppl ({init})", f"{report['hybrid_ppl']:.3f}"),
+            ("KL to the teacher / top-1 agreement", f"{report['agreement']['kl']:.4f} nats / "
+                                                    f"{report['agreement']['top1']:.3f}"),
             *cache_rows(report)]  # cache bytes at 4K / 32K / 128K and --context
     if headwise:
         rows.append(("head-wise layers", str(sorted(int(i) for i in headwise))))

@@ -287,6 +287,35 @@ def group_scores(head_scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return head_scores.reshape(L, num_kv_heads, H // num_kv_heads).sum(-1)
 
 
+KNOCKOUT_UNITS = 8
+"""At most this many KV groups get a knockout (`knockout_candidates`): enough for the few groups a teacher retrieves
+through, few enough to stay cheap on a CPU."""
+KNOCKOUT_SHARE = 0.1
+"""A KV group is a knockout candidate when its needle attention mass is at least this share of the largest."""
+
+
+def knockout_candidates(mass: torch.Tensor, limit: int = KNOCKOUT_UNITS,
+                        share: float = KNOCKOUT_SHARE) -> list[tuple[int, int]]:
+    """(layer, KV group) of the groups that look at the needles most: mass >= `share` x the largest, at most `limit`,
+    largest first."""
+    top = float(mass.max())
+    flat = sorted(((float(mass[i, g]), i, g) for i in range(mass.shape[0]) for g in range(mass.shape[1])),
+                  key=lambda t: (-t[0], t[1], t[2]))
+    return [(i, g) for m, i, g in flat[:limit] if top > 0 and m >= share * top]
+
+
+def causal_scores(mass: torch.Tensor, drops: dict[tuple[int, int], float]) -> torch.Tensor:
+    """Group scores that rank first the knocked-out groups whose loss lowers the answer's log-probability (by how
+    much, `drops`), then every other group by its needle attention mass: a group that looks at the needle is kept
+    only before others when the answer needs it to (docs/method.md, "Retrieval")."""
+    out = mass.clone().float()
+    top = float(mass.max()) + 1.0
+    for (i, g), d in drops.items():
+        if d > SCORE_RESOLUTION:
+            out[i, g] = top + d
+    return out
+
+
 def kept_groups_of(scores: torch.Tensor, keep_every: int,
                    kv_budget: float | ByteBudget | None = None) -> dict[int, list[int]]:
     """Head-wise policy: the highest-scoring KV groups over all layers, as many as the budget allows (a ByteBudget:

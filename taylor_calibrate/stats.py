@@ -206,6 +206,11 @@ def _stats_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                      softcap=None, **kwargs):
     """SDPA for the output (so the teacher's forward is unchanged), plus the streamed statistics."""
     scaling = module.scaling if scaling is None else scaling  # softcap: only when the model passes one
+    observer = getattr(module, _OBSERVER, None)
+    edit = getattr(observer, "edit_mask", None)
+    if edit is not None:  # a knockout: some heads of this layer may not see some keys
+        window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+        attention_mask = edit(module, attention_mask, query, key, window)
     if softcap:
         from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
@@ -214,7 +219,6 @@ def _stats_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     else:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         **kwargs)
-    observer = getattr(module, _OBSERVER, None)
     if observer is not None:
         window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
         observer.observe(module, query, key, out, scaling, window, softcap)
@@ -453,6 +457,63 @@ def retrieval_heads(model, probes) -> torch.Tensor:
             model(input_ids=torch.tensor([p.ids], device=device), use_cache=False, logits_to_keep=1)
     n = model.config.num_hidden_layers
     return torch.stack([probe.sums[i].cpu() for i in range(n)]) / len(probes)
+
+
+class _Knockout:
+    """Blocks the attention of some query heads of one layer (`layer`, `heads`) from the positions predicting a
+    probe's answer (`rows`) to the needle's copy of it (`keys`); everything else attends as the teacher does."""
+
+    def __init__(self):
+        self.inputs, self.store_device = {}, "cpu"  # _collecting's interface; nothing is stored
+        self.layer, self.heads, self.rows, self.keys = None, [], None, None
+
+    def observe(self, *args):
+        pass
+
+    def edit_mask(self, module, mask, query, key, window):
+        if module.layer_idx != self.layer:
+            return mask
+        T, S = query.shape[2], key.shape[2]
+        q, k = torch.arange(S - T, S, device=query.device), torch.arange(S, device=query.device)
+        visible = k[None, :] <= q[:, None]
+        if window is not None:
+            visible &= k[None, :] > q[:, None] - window
+        visible = visible.expand(query.shape[1], T, S).clone()
+        rows = self.rows - (S - T)
+        for h in self.heads:
+            visible[h, rows[:, None], self.keys[None, :]] = False
+        add = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+        return add.masked_fill(~visible, torch.finfo(query.dtype).min)[None]
+
+
+@torch.no_grad()
+def knockout_drops(model, probes, units: list[tuple[int, list[int]]]) -> list[float]:
+    """For each unit (layer, query heads): the mean over `probes` of how much the answer's log-probability falls when
+    those heads may not attend from the answer-predicting positions to the needle. Attention mass says where a head
+    looks; this says whether the answer needs it to look there."""
+    device = next(model.parameters()).device
+    ko = _Knockout()
+
+    def answer_logprob(p) -> float:
+        ids = torch.tensor([p.ids], device=device)
+        rows = torch.tensor(p.answer, device=device) - 1
+        keep = len(p.ids) - int(rows.min())
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()
+        lp = torch.log_softmax(logits[rows - (len(p.ids) - keep)], -1)
+        return float(lp.gather(-1, ids[0, rows + 1][:, None]).sum())
+
+    drops = []
+    with _collecting(model, ko):
+        base = [answer_logprob(p) for p in probes]  # through the same attention function, nothing blocked
+        for layer, heads in tqdm(units, desc="retrieval knockouts", leave=False):
+            ko.layer, ko.heads = layer, heads
+            total = 0.0
+            for p, b in zip(probes, base):
+                ko.rows = torch.tensor(p.answer, device=device) - 1
+                ko.keys = torch.tensor(p.needle, device=device)
+                total += b - answer_logprob(p)
+            drops.append(total / len(probes))
+    return drops
 
 
 @torch.no_grad()

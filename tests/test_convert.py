@@ -195,3 +195,24 @@ def test_far_weight_reaches_phase_2_of_a_head_wise_conversion(tmp_path):
         assert report["policy"] == "heads" and report["args"]["phase2"]["far_weight"] == far
         losses[far] = [r["best_train_loss"] for r in report["phase2"]["layers"].values()]
     assert all(math.isfinite(a) and a != b for a, b in zip(losses[0.0], losses[4.0]))
+
+
+def test_knockouts_run_only_when_the_budget_cannot_keep_every_candidate():
+    import torch
+    from conftest import one_thread, tiny_teacher
+
+    from taylor_calibrate.convert import knocked_out
+    from taylor_calibrate.retrieval import Probe
+
+    teacher = tiny_teacher("gemma3_text")  # 4 layers x 2 KV groups; layer 3 full attention
+    ids = list(range(1, 41))
+    ids[30:34] = ids[5:9]
+    probes = [Probe(task="single", ids=ids, answer=[31, 32, 33], needle=[6, 7, 8])]
+    mass = torch.tensor([[0.5, 0.0], [0.0, 0.0], [0.0, 0.0], [0.4, 0.3]])
+    every = {(i, g) for i in range(4) for g in range(2)}
+    scores, record = knocked_out(teacher, mass, probes, lambda s: every)
+    assert record is None and torch.equal(scores, mass)  # all candidates kept: the mass decides, no knockout
+    with one_thread():
+        scores, record = knocked_out(teacher, mass, probes, lambda s: set())
+    assert record["units"] == [[0, 0], [3, 0], [3, 1]] and len(record["drops"]) == 3
+    assert record["drops"][0] == 0.0  # layer 0 slides over 8 tokens: the needle is out of its sight

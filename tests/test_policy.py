@@ -1,7 +1,8 @@
 """Layer policies: which layers stay softmax attention."""
 import pytest
+import torch
 
-from taylor_calibrate.policy import gdn_layers, kept_layers
+from taylor_calibrate.policy import gdn_layers, kept_layers, rank_order
 
 
 def test_uniform_keeps_every_kth_from_zero():
@@ -159,3 +160,17 @@ def test_smollm2_byte_budget_against_the_count_budget():
         assert sum(map(len, kept_groups_of(groups, 4, budget).values())) == kept_g
         assert sum(map(len, kept_groups_of(groups, 4, 0.25).values())) == 22
     assert kept_layers("bypass", 30, 4, scores) == kept_layers("bypass", 30, 4, scores, kv_budget=None)  # keep_every
+
+
+def test_knockouts_reorder_the_groups_the_answer_needs_first():
+    """Gemma 3's case: one layer looks at the needle most, another one is what the answer needs. The knocked-out
+    group that costs the answer most ranks first; a candidate whose knockout costs nothing keeps its mass rank."""
+    from taylor_calibrate.policy import causal_scores, knockout_candidates
+
+    mass = torch.tensor([[0.02], [1.6], [0.17], [0.66], [0.001]])
+    assert knockout_candidates(mass) == [(1, 0), (3, 0), (2, 0)]  # >= 10% of the top, largest first
+    assert knockout_candidates(mass, limit=2) == [(1, 0), (3, 0)]
+    scores = causal_scores(mass, {(1, 0): 3.9, (3, 0): 14.9, (2, 0): 0.0})
+    assert rank_order({i: float(scores[i, 0]) for i in range(5)}) == [3, 1, 2, 0, 4]
+    assert knockout_candidates(torch.zeros(3, 2)) == []
+

@@ -430,3 +430,19 @@ def test_output_norm_weights_only_where_the_attention_output_is_normalised(arch)
         assert (w[:, 0] == 1).all()
         assert torch.corrcoef(torch.stack([w[:, 1:].flatten(), 1 / ms[:, 1:].flatten()]))[0, 1] > 0.99
     assert position_weights(teacher, stats, targets, SimpleNamespace(far_weight=0.0, output_norm=False)) is None
+
+
+def test_knockouts_block_only_the_needle_of_the_chosen_heads():
+    """Blocking no head changes nothing; a sliding-window layer whose window ends before the needle cannot lose it;
+    blocking a full-attention layer's heads moves the answer's log-probability."""
+    from taylor_calibrate.retrieval import Probe
+    from taylor_calibrate.stats import knockout_drops
+
+    teacher = tiny_teacher("gemma3_text")  # window 8: layers 0-2 sliding, layer 3 full
+    torch.manual_seed(0)
+    ids = torch.randint(0, 97, (40,)).tolist()
+    ids[30:34] = ids[5:9]
+    probe = Probe(task="single", ids=ids, answer=[31, 32, 33], needle=[6, 7, 8])
+    with one_thread():
+        none, sliding, full = knockout_drops(teacher, [probe], [(3, []), (0, [0, 1, 2, 3]), (3, [0, 1, 2, 3])])
+    assert none == 0.0 and sliding == 0.0 and full != 0.0

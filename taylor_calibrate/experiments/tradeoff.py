@@ -23,7 +23,7 @@ from taylor_calibrate.config import (AlignArgs, ConvertArgs, DistillArgs, Tradeo
 from taylor_calibrate.convert import convert, resolve_runtime
 from taylor_calibrate.data import distill_data, load_splits
 from taylor_calibrate.distill import distill
-from taylor_calibrate.evaluate import perplexity
+from taylor_calibrate.evaluate import agreement, perplexity
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.results import record, write_text
 from taylor_calibrate.retrieval import (REPLY_KINDS, answer_scores, eval_probes, niah_scores, probe_length,
@@ -73,6 +73,8 @@ def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str
            "distill_flags": flags, "distill_args": {"train": asdict(d.train), "data": asdict(d.data)},
            "distill": {k: rep[k] for k in ("eval_tokens", "heldout_loss", "heldout_kl", "tokens_per_s", "mfu")},
            "ppl": perplexity(hybrid, splits.heldout, convert_args.eval_batch_size, "e2e ppl")["ppl"]}
+    agree = agreement(hybrid, teacher.model, splits.heldout, convert_args.eval_batch_size)
+    e2e.update(kl=agree["kl"], top1=agree["top1"])
     return e2e, hybrid
 
 
@@ -101,20 +103,21 @@ _SAME_RESULT = {f"--train.{f}" for f in ("micro_batch_size", "save_every", "log_
 def markdown(result: dict) -> str:
     lengths = [str(n) for n in result["niah_lengths"]]
     tasks = result["niah_tasks"]
-    head = "| policy | granularity | KV | distill tokens | PPL (x teacher) | answer log-prob | " + " | ".join(
+    head = "| policy | granularity | KV | distill tokens | PPL (x teacher) | KL | answer log-prob | " + " | ".join(
         f"{t} {n}" for t in tasks for n in lengths) + " |"
-    lines = [head, "|" + "---|" * (6 + len(tasks) * len(lengths))]
+    lines = [head, "|" + "---|" * (7 + len(tasks) * len(lengths))]
 
-    def row(name, gran, kv, tokens, ppl, ratio, lp, niah):
+    def row(name, gran, kv, tokens, ppl, ratio, kl, lp, niah):
         cells = [f"{niah[t][n]:.2f}" if niah[t][n] is not None else "-" for t in tasks for n in lengths]
-        lines.append(f"| {name} | {gran} | {kv} | {tokens:,} | {ppl:.3f} ({ratio:.2f}x) | {lp:.2f} | "
+        kl = "-" if kl is None else f"{kl:.4f}"
+        lines.append(f"| {name} | {gran} | {kv} | {tokens:,} | {ppl:.3f} ({ratio:.2f}x) | {kl} | {lp:.2f} | "
                      + " | ".join(cells) + " |")
 
     t = result["teacher"]
-    row("teacher", "-", "100%", 0, t["ppl"], 1.0, t["answer_logprob"], t["niah"])
+    row("teacher", "-", "100%", 0, t["ppl"], 1.0, 0.0, t["answer_logprob"], t["niah"])
     for r in result["rows"]:
         row(label(r), r["granularity"], f"{r['kv_fraction']:.1%}", r["distill_tokens"], r["ppl"],
-            r["ppl"] / t["ppl"], r["answer_logprob"], r["niah"])
+            r["ppl"] / t["ppl"], r.get("kl"), r["answer_logprob"], r["niah"])
     return ("\n".join(lines) + f"\n\nAnswer log-probability: teacher-forced, at {result['logprob_length']} tokens.\n"
             + distance_table(result))
 
@@ -196,7 +199,9 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
         report, hybrid = c.report, c.hybrid
         result["teacher"]["ppl"] = report["teacher_ppl"]
         row = {"policy": policy, "granularity": "head" if policy == "heads" else "layer", "kv_budget": budget,
-               "kv_fraction": report["kv_fraction"], "ppl": report["hybrid_ppl"], "distill_tokens": 0, "seed": seed,
+               "context": report["context"], "kv_bytes": report["kv_bytes"], "kv_fraction": report["kv_fraction"],
+               "ppl": report["hybrid_ppl"], "kl": report["agreement"]["kl"], "top1": report["agreement"]["top1"],
+               "distill_tokens": 0, "seed": seed,
                "kept_layers": report["kept_layers"], "headwise_kept_groups": report["headwise_kept_groups"],
                "phase2_kept_attention": report["phase2_kept_attention"] is not None,
                "phase2_far_weight": conv.phase2.far_weight if conv.align else None,
