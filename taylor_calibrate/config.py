@@ -168,6 +168,10 @@ class CorpusSpec:
     """Split of a saved DatasetDict; the default "train" falls back to the first split if absent."""
     heldout_fraction: float = 0.5
     """Expected fraction of documents held out for perplexity, in (0, 1)."""
+    token_cache: str | None = None
+    """Directory of the token cache that `distill`, `recovery` and `tokenize` share: a corpus is tokenised once per
+    tokenizer and reused until it changes (None: $TAYLOR_CALIBRATE_TOKEN_CACHE, else $XDG_CACHE_HOME/taylor_calibrate/
+    tokens, else ~/.cache/taylor_calibrate/tokens). Safe to delete when no run is reading it."""
 
 
 @dataclass
@@ -503,8 +507,8 @@ class TrainArgs:
     parallel: str = "ddp"
     """Under torchrun: "ddp" (replicated model) or "fsdp" (FSDP2 `fully_shard`, per decoder layer)."""
     compile: bool | None = None
-    """torch.compile every decoder layer of student and teacher and the KL loss (fuses the norms, activations, rotary
-    and the loss's passes over the logits; fla's kernels stay as they are), which raises throughput and lowers peak
+    """torch.compile every decoder layer of student and teacher and the loss's kernel over a chunk of logits (fuses the
+    norms, activations, rotary and the loss's passes over the logits; fla's kernels stay as they are), which raises throughput and lowers peak
     memory (docs/decisions.md, "distillation compile"). None: on with CUDA, off on a CPU. The first step pays the
     compilation."""
     peak_tflops: float | None = None

@@ -6,9 +6,11 @@
          + hidden_weight * sum_l |h_l - h_l^T|^2 / |h_l^T|^2  every layer's output (optional)
          + ce_weight * CE(student, next token)                (optional)
 
-The KL runs over chunks of tokens (`chunked_kl`: fp32 softmaxes of one chunk at a time, its gradient formed in the
-same pass), so the bf16 logits and their gradient are the only (tokens x vocabulary) tensors; `forward_kl` is its
-plain reference.
+No (tokens x vocabulary) logits exist (`--train.head fused`, the default): both models run to their final hidden
+states, and `fused_kd` applies both lm heads (with any final logit soft-cap), the KL and the cross-entropy one chunk
+of tokens at a time, the gradients w.r.t. the student's hidden states and head weight formed in the same pass; the
+held-out evaluation goes the same way. `--train.head logits` takes the models' full logits and the KL over chunks of
+them (`chunked_kl`); `forward_kl` is the plain fp32 reference both are tested against.
 Training data are fixed-length windows of the token shards (`data.write_tokens`: tokenised once, memory-mapped, so
 memory does not grow with the budget); the windows of a step are a function of the step alone (`data.step_windows`),
 and the optimizer step uses the same global batch whatever the number of processes, so a resumed run, a 1-process
@@ -810,7 +812,7 @@ def run_distill(args: DistillArgs) -> dict:
                      student.config.teacher_name or "see its report.json", who="student")
     teacher = loaded.model
     out = Path(args.out)
-    train_rows, heldout = distill_data(args.data, tokenizer, out / "tokens", args.train.tokens, main=ctx.main,
+    train_rows, heldout = distill_data(args.data, tokenizer, args.train.tokens, main=ctx.main,
                                        barrier=dist.barrier if ctx.world > 1 else None)
     data = {k: getattr(args.data, k) for k in ("source", "text_field", "split", "heldout_fraction")}
     report = distill(student, teacher, train_rows, heldout, args.train, args.out, resume=args.resume,
