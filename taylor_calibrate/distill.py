@@ -406,6 +406,7 @@ def heldout_eval(model, teacher, rows: torch.Tensor, batch_size: int, ctx: Dist,
     loss = nll / n
     return {"heldout_loss": loss, "heldout_ppl": math.exp(loss) if loss < 700 else float("inf"), "heldout_kl": kl / n}
 
+
 # --- checkpoints -------------------------------------------------------------------------------------------------
 def _state_options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
