@@ -372,8 +372,9 @@ def load_splits(spec: CorpusSpec, tokenizer, seq_len: int, calib_seqs: int, held
 
 # ----------------------------------------------------------------------------- token shards (distillation data)
 #
-# Distillation reads hundreds of millions of tokens: they are tokenised once, by `write_tokens` (the `tokenize`
-# command, or the first `distill` / `recovery` run), into one flat token stream per side of the document split,
+# Distillation reads hundreds of millions of tokens: they are tokenised once per corpus and tokenizer, by
+# `write_tokens` into the token cache (`cached_tokens`: the first `tokenize`, `distill` or `recovery` run that needs
+# them), into one flat token stream per side of the document split,
 # calib.bin and heldout.bin (uint16 when the vocabulary fits, else uint32; an eos between documents, as
 # pack_tokens), beside tokens.json (the source, the split, the tokenizer's fingerprint, the token counts). Training
 # reads fixed-length windows of calib.bin through a numpy memory map: memory does not grow with the budget, and the
