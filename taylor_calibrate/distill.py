@@ -354,7 +354,7 @@ def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs, weight
     the outputs' final hidden states (`model_hidden`); None: the outputs' full logits (`chunked_kl`)."""
     parts = {}
     loss = 0.0
-    if heads is not None:
+    if heads is not None and (args.kl_weight or args.ce_weight):
         labels = F.pad(ids[:, 1:], (0, 1), value=-100) if args.ce_weight else None
         kl_on = bool(args.kl_weight)
         with autocast(ids.device):  # the heads' matmuls in bf16 on CUDA, as the models' own lm_head would run
@@ -367,7 +367,7 @@ def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs, weight
             parts["kl"] = kl.detach() * args.temperature ** 2 / ids.numel()
         if args.ce_weight:
             parts["ce"] = nll.detach() / (ids.shape[0] * (ids.shape[1] - 1))
-    elif args.kl_weight:
+    elif heads is None and args.kl_weight:
         kl = chunked_kl(student_out.logits, teacher_out.logits, args.temperature, weights, args.kl_chunk, kernel)
         loss = loss + args.kl_weight * kl
         parts["kl"] = kl.detach()

@@ -99,21 +99,25 @@ def _pair(arch, tied, cap=None):
     return student.train(), teacher
 
 
-@pytest.mark.parametrize("arch, tied, cap, frozen_head", [
-    ("llama", False, None, False), ("llama", True, None, False), ("llama", False, None, True),
-    ("gemma3_text", True, 0.5, False),  # a cap small enough to bend these tiny logits
+@pytest.mark.parametrize("arch, tied, cap, frozen_head, weights", [
+    ("llama", False, None, False, (1.0, 0.5, 0.3)), ("llama", True, None, False, (1.0, 0.5, 0.3)),
+    ("llama", False, None, True, (1.0, 0.5, 0.3)),
+    ("gemma3_text", True, 0.5, False, (1.0, 0.5, 0.3)),  # a cap small enough to bend these tiny logits
+    ("llama", True, None, False, (0.0, 0.5, 0.0)), ("llama", False, None, False, (0.0, 0.0, 1.0)),
 ])
-def test_kd_loss_fused_follows_the_full_logits_on_models(single_thread, arch, tied, cap, frozen_head):
+def test_kd_loss_fused_follows_the_full_logits_on_models(single_thread, arch, tied, cap, frozen_head, weights):
     """kd_loss on a tiny hybrid and its teacher, fused (final hidden states + heads) against the models' full logits:
-    the same loss parts and the same gradient on every trained parameter, with temperature, per-token weights,
-    cross-entropy and hidden-state terms on."""
+    the same loss parts and the same gradient on every trained parameter, with temperature and per-token weights,
+    and every mix of the KL, cross-entropy and hidden-state terms (`weights`)."""
     student, teacher = _pair(arch, tied, cap)
     assert output_head(student).cap == cap and output_head(teacher).cap == cap
     if frozen_head:
         student.lm_head.weight.requires_grad_(False)
     ids = torch.randint(0, teacher.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     w = 1 + torch.rand(2, 12, generator=torch.Generator().manual_seed(1))
-    args = TrainArgs(temperature=2.0, ce_weight=0.5, hidden_weight=0.3, kl_chunk=5)
+    kl_weight, ce_weight, hidden_weight = weights
+    args = TrainArgs(temperature=2.0, kl_weight=kl_weight, ce_weight=ce_weight, hidden_weight=hidden_weight,
+                     kl_chunk=5)
     runs = {}
     for head in ("logits", "fused"):
         student.zero_grad(set_to_none=True)
@@ -128,12 +132,13 @@ def test_kd_loss_fused_follows_the_full_logits_on_models(single_thread, arch, ti
         runs[head] = ({k: float(v) for k, v in parts.items()},
                       {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None})
     (parts_l, grads_l), (parts_f, grads_f) = runs["logits"], runs["fused"]
-    assert parts_l.keys() == parts_f.keys() == {"kl", "ce", "hidden_mse", "loss"}
+    named = {"kl": kl_weight, "ce": ce_weight, "hidden_mse": hidden_weight}
+    assert parts_l.keys() == parts_f.keys() == {"loss"} | {k for k, v in named.items() if v}
     for k in parts_l:
         assert parts_f[k] == pytest.approx(parts_l[k], rel=1e-4, abs=1e-5), k
     assert grads_f.keys() == grads_l.keys()
     head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-    assert (head_name in grads_f) != frozen_head
+    assert (head_name in grads_f) == (not frozen_head and (tied or kl_weight + ce_weight > 0))
     for n in grads_l:
         torch.testing.assert_close(grads_f[n], grads_l[n], **TOL, msg=n)
 
