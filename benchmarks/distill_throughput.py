@@ -91,6 +91,7 @@ def run_path(head: str, student0, teacher, rows, heldout, a, device) -> dict:
                      kl_chunk=a.kl_chunk, eval_every=10 ** 9, save_every=10 ** 9, log_every=1, compile=a.compile)
     row = {"head": head, "micro_batch": micro, "batch": B, "seq_len": T, "kl_chunk": a.kl_chunk}
     student = copy.deepcopy(student0)
+    torch._dynamo.reset()  # each path compiles afresh (in its untimed first step), not within the other's graph budget
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
