@@ -1,118 +1,203 @@
-"""Distillation throughput of the SmolLM2-135M hybrid and a Qwen2.5-1.5B-shaped hybrid: plain KL against the chunked
-KL (`--train.kl_chunk`), in one run. tokens/s, MFU and peak GPU memory per (shape, micro-batch, KL).
+"""Distillation of one teacher's hybrid with the full-logits loss (`--train.head logits`, the path before the fused
+one) against the fused loss (`--train.head fused`: no tokens x vocabulary logits), in one run: tokens/s, MFU, peak
+GPU memory, and both loss curves over the same steps (same initial student, same rows), with their max difference.
 
-Random weights and random tokens (speed depends on neither): a uniform policy (keep_every 4), copy-only mixers,
-`distill.distill` as the `distill` command runs it (fp32 master weights, bf16 autocast, trains the mixers,
-torch.compile on CUDA by default), timed after the first step. A configuration that runs out of memory is recorded
-as such. The JSON is rewritten after every row; a markdown twin goes beside it. `--tiny` runs tiny shapes (CPU).
+The teacher: --teacher, a spec as `convert --teacher` takes it (default the embedded SmolLM2-135M; a .gguf path such
+as Gemma 3 270M's, an HF directory). The hybrid: --student DIR (a `convert` output), or converted here by `convert`
+with --convert's flags (default: head-wise at 25% of the KV bytes, copy-only mixers, no phase 2 and little data, as
+throughput does not depend on the init). Training rows: --source through the token cache (`data.distill_data`).
+Each path runs `distill.distill` as the distill command does (fp32 master weights, bf16 autocast, torch.compile on
+CUDA by default); the first step (compilation) is untimed. A path that runs out of memory is recorded as such.
+--tiny: a tiny random Llama, its copy-only hybrid and random rows (CPU is fine), to check the script. The JSON is
+rewritten after every path; a markdown twin goes beside it.
 
-    python benchmarks/distill_throughput.py --out benchmarks/results/performance/distill_throughput_h200.json
+    python benchmarks/distill_throughput.py --out benchmarks/results/performance/distill_fused_smollm2_h200.json
+    python benchmarks/distill_throughput.py --teacher /models/gemma-3-270m-Q4_K_M.gguf --seq-len 4096 \\
+        --batch-size 16 --micro 4 --out benchmarks/results/performance/distill_fused_gemma3_h200.json
     python benchmarks/distill_throughput.py --tiny --device cpu --out /tmp/distill_throughput_tiny.json
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
-from perf_common import build_teacher, free, mb, profiled
+from perf_common import build_teacher, free, profiled
 
-from taylor_calibrate.config import GDNConfig, TrainArgs
+from taylor_calibrate.config import DataArgs, GDNConfig, LOSS_HEADS, TrainArgs
 from taylor_calibrate.distill import distill
 from taylor_calibrate.results import record
-from taylor_calibrate.model.hybrid import convert_teacher
-from taylor_calibrate.policy import gdn_layers, kept_layers
-from taylor_calibrate.teacher import resolve_device
+from taylor_calibrate.teacher import DEFAULT_TEACHER, resolve_device
 
-NAMES = {"smollm2": "smollm2-135m", "1p5b": "qwen2.5-1.5b"}
+CONVERT = "--policy heads --kv_budget 0.25 --init copy --align false --probe_samples 2 --data.seq_len 256 " \
+          "--data.calib_seqs 4 --data.eval_seqs 2"
 
 
-def run(shape: str, micro: int, kl_chunk: int, a, device) -> dict:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    teacher = build_teacher(shape, a.tiny, device, dtype)
-    cfg = teacher.config
-    n = cfg.num_hidden_layers
-    converted = gdn_layers(kept_layers("uniform", n, 4), n)
+def models(a, device, dtype) -> tuple:
+    """(student in fp32, teacher, rows, held-out rows, what they are)."""
     B, T, steps = a.batch_size, a.seq_len, a.steps
-    rows = torch.randint(0, cfg.vocab_size, (B * steps, T), generator=torch.Generator().manual_seed(0))
-    student = convert_teacher(teacher, converted, GDNConfig()).float()
-    backend = student.set_backend(a.backend)
-    args = TrainArgs(tokens=B * T * steps, batch_size=B, micro_batch_size=micro, train="mixers", kl_chunk=kl_chunk,
-                     eval_every=10 ** 9, save_every=10 ** 9, log_every=1, compile=a.compile)
-    row = {"shape": NAMES[shape] + (" (tiny)" if a.tiny else ""), "kl": "chunked" if kl_chunk else "plain",
-           "kl_chunk": kl_chunk, "micro_batch": micro, "batch": B, "seq_len": T, "gdn_layers": len(converted),
-           "gdn_backend": backend, "vocab": cfg.vocab_size}
+    if a.tiny:
+        from taylor_calibrate.model.hybrid import convert_teacher
+        from taylor_calibrate.policy import gdn_layers, kept_layers
+
+        teacher = build_teacher("smollm2", True, device, dtype)
+        n = teacher.config.num_hidden_layers
+        student = convert_teacher(teacher, gdn_layers(kept_layers("uniform", n, 4), n), GDNConfig())
+        g = torch.Generator().manual_seed(0)
+        rows = torch.randint(0, teacher.config.vocab_size, (B * steps, T), generator=g)
+        return student.float(), teacher, rows, rows[:a.eval_rows], {"teacher": "tiny random llama", "rows": "random"}
+    from taylor_calibrate.data import distill_data
+    from taylor_calibrate.teacher import load_teacher
+
+    t0 = time.perf_counter()
+    loaded = load_teacher(a.teacher, device, dtype)
+    what = {"teacher": a.teacher, "vocab": loaded.model.config.vocab_size, "load_teacher_s": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    if a.student:
+        from taylor_calibrate.checkpoint import load_model
+
+        student, _ = load_model(a.student, device, torch.float32)
+        what["student"] = a.student
+    else:
+        from taylor_calibrate.config import ConvertArgs, parse_args_of
+        from taylor_calibrate.convert import convert, resolve_runtime
+
+        conv_args = parse_args_of(ConvertArgs, ["--teacher", a.teacher, "--device", device.type,
+                                                "--backend", a.backend, *shlex.split(a.convert)])
+        conv = convert(conv_args, loaded, resolve_runtime(conv_args))
+        student = conv.hybrid.float()
+        what.update(convert=a.convert, policy=conv.report["policy"], gdn_layers=conv.report["gdn_layers"],
+                    headwise_kept_groups=conv.report["headwise_kept_groups"], kv_fraction=conv.report.get("kv_fraction"))
+    what["student_s"] = time.perf_counter() - t0
+    student.set_backend(a.backend)
+    t0 = time.perf_counter()
+    rows, heldout = distill_data(DataArgs(source=a.source, seq_len=T, eval_seqs=a.eval_rows), loaded.tokenizer,
+                                 B * T * steps)
+    what.update(rows=f"{a.source} ({rows.root})", data_s=time.perf_counter() - t0)
+    return student, loaded.model, rows, heldout, what
+
+
+def run_path(head: str, student0, teacher, rows, heldout, a, device) -> dict:
+    """`distill` of a fresh copy of the student with the loss path `head`: throughput, peak memory, loss curve."""
+    B, T, steps = a.batch_size, a.seq_len, a.steps
+    micro = min(a.micro, B)
+    args = TrainArgs(tokens=B * T * steps, batch_size=B, micro_batch_size=micro, train=a.train, head=head,
+                     kl_chunk=a.kl_chunk, eval_every=10 ** 9, save_every=10 ** 9, log_every=1, compile=a.compile)
+    row = {"head": head, "micro_batch": micro, "batch": B, "seq_len": T, "kl_chunk": a.kl_chunk}
+    student = copy.deepcopy(student0)
+    torch._dynamo.reset()  # each path compiles afresh (in its untimed first step), not within the other's graph budget
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            rep = distill(student, teacher, rows, rows[:1], args, tmp, resume=False, eval_batch_size=1,
-                          desc=f"{shape} {row['kl']} micro {micro}")
+            rep = distill(student, teacher, rows, heldout, args, tmp, resume=False, eval_batch_size=a.eval_rows,
+                          desc=f"{head} micro {micro}")
+            metrics = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
         row.update({k: rep[k] for k in ("steps", "tokens_per_step", "tokens_per_s", "flops_per_token", "mfu")})
-        row["timed_steps"] = steps - 1
+        row.update(timed_steps=steps - 1, heldout_kl=rep["heldout_kl"],
+                   loss=[r["loss"] for r in metrics if "lr" in r])  # training records
     except torch.OutOfMemoryError:
         row["oom"] = True
-    row["peak_mem_gb"] = mb(torch.cuda.max_memory_allocated()) / 1024 if device.type == "cuda" else None
-    del student, teacher
+    row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None
+    del student
     free(device)
     return row
 
 
-def table(rows: list[dict]) -> str:
-    out = ["| shape | KL | micro-batch | tokens/step | tokens/s | MFU | peak GB |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
+def compare(rows: list[dict]) -> dict | None:
+    """The fused loss curve against the full-logits one, step by step."""
+    by = {r["head"]: r for r in rows if r.get("loss")}
+    if not {"logits", "fused"} <= set(by):
+        return None
+    a, b = by["logits"], by["fused"]
+    diffs = [abs(x - y) for x, y in zip(a["loss"], b["loss"])]
+    rel = [d / abs(x) for d, x in zip(diffs, a["loss"]) if x]
+    out = {"steps": len(diffs), "max_abs_loss_diff": max(diffs), "max_rel_loss_diff": max(rel, default=None),
+           "final_loss": {"logits": a["loss"][-1], "fused": b["loss"][-1]},
+           "final_heldout_kl": {"logits": a["heldout_kl"][-1], "fused": b["heldout_kl"][-1]}}
+    if a.get("tokens_per_s") and b.get("tokens_per_s"):
+        out["speedup"] = b["tokens_per_s"] / a["tokens_per_s"]
+    if a.get("peak_mem_gb") and b.get("peak_mem_gb"):
+        out["peak_mem_ratio"] = b["peak_mem_gb"] / a["peak_mem_gb"]
+    return out
+
+
+def table(res: dict) -> str:
+    out = ["| loss path | micro-batch | tokens/step | tokens/s | MFU | peak GB | first -> last loss |",
+           "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
         tps = "OOM" if r.get("oom") else f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         gb = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else "-"
-        out.append(f"| {r['shape']} | {r['kl']} | {r['micro_batch']} x {r['seq_len']} | "
-                   f"{r['batch'] * r['seq_len']:,} | {tps} | {mfu} | {gb} |")
+        loss = f"{r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}" if r.get("loss") else "-"
+        out.append(f"| {r['head']} | {r['micro_batch']} x {r['seq_len']} | {r['batch'] * r['seq_len']:,} | {tps} | "
+                   f"{mfu} | {gb} | {loss} |")
+    c = res.get("comparison")
+    if c:
+        extra = "".join(f", {k.replace('_', ' ')} {c[k]:.2f}x" for k in ("speedup", "peak_mem_ratio") if k in c)
+        out += ["", f"Loss curves over {c['steps']} steps: max |fused - logits| = {c['max_abs_loss_diff']:.2e} "
+                    f"(relative {c['max_rel_loss_diff']:.2e}){extra}."]
     return "\n".join(out)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="smollm2,1p5b")
-    ap.add_argument("--micro", default="smollm2:16,64;1p5b:8",
-                    help="micro-batches (rows per forward) per shape, 'shape:m1,m2;shape:m'")
-    ap.add_argument("--batch-size", type=int, default=64, help="rows per optimizer step")
+    ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="teacher spec (as `convert --teacher`): .gguf, HF dir")
+    ap.add_argument("--student", default=None, help="a `convert` output directory (default: convert here)")
+    ap.add_argument("--convert", default=CONVERT, help="`convert` flags for the hybrid built here")
+    ap.add_argument("--source", default="builtin", help="training text (--data.source), through the token cache")
+    ap.add_argument("--heads", default="logits,fused", help="loss paths to run, in order")
+    ap.add_argument("--batch-size", type=int, default=32, help="rows per optimizer step")
+    ap.add_argument("--micro", type=int, default=32, help="rows per forward pass (micro-batch)")
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per configuration (the first is untimed)")
-    ap.add_argument("--kl-chunk", type=int, default=TrainArgs.kl_chunk, help="tokens per chunk of the chunked KL")
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps per path (the first is untimed)")
+    ap.add_argument("--kl-chunk", type=int, default=TrainArgs.kl_chunk, help="tokens per chunk of the loss")
+    ap.add_argument("--train", default="mixers", help="which parameters train (--train.train)")
+    ap.add_argument("--eval-rows", type=int, default=2, help="held-out rows evaluated at the start and the end")
     ap.add_argument("--compile", default="auto", choices=("auto", "true", "false"))
     ap.add_argument("--backend", default="auto", help="GDN kernels: auto, torch, fla")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--profile", action="store_true",
-                    help="then 3 more steps of the first shape's last configuration under torch.profiler (top kernels)")
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check of the script)")
+                    help="then 3 more steps of the fused path under torch.profiler (top kernels)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model and rows (CPU check of the script)")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     device = resolve_device(a.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a.compile = None if a.compile == "auto" else a.compile == "true"
     if a.tiny:
-        a.batch_size, a.seq_len, a.steps = min(a.batch_size, 4), min(a.seq_len, 32), min(a.steps, 3)
-    micro = {s: [int(m) for m in ms.split(",")] for s, ms in (x.split(":") for x in a.micro.split(";"))}
-    res = {"what": __doc__.splitlines()[0], "rows": []}
-    for shape in a.shapes.split(","):
-        for m in micro.get(shape, [a.batch_size]):
-            m = min(m, a.batch_size)
-            for chunk in (0, a.kl_chunk):
-                row = run(shape, m, chunk, a, device)
-                print(json.dumps(row), flush=True)
-                res["rows"].append(row)
-                if a.out:
-                    res.update(record(a.out, res, a))
-                    Path(a.out).with_suffix(".md").write_text(f"{res['what']}\n\n{table(res['rows'])}\n\n"
-                                                              f"Command: `{res['command']}` at {res['commit']}\n")
+        a.batch_size, a.micro, a.seq_len, a.steps = min(a.batch_size, 4), min(a.micro, 2), min(a.seq_len, 32), \
+            min(a.steps, 4)
+    heads = a.heads.split(",")
+    if set(heads) - set(LOSS_HEADS):
+        ap.error(f"--heads: each of {LOSS_HEADS}")
+    student, teacher, rows, heldout, what = models(a, device, dtype)
+    res = {"what": __doc__.splitlines()[0], "models": what, "rows": []}
+
+    def save():
+        if a.out:
+            res.update(record(a.out, res, a))
+            Path(a.out).with_suffix(".md").write_text(f"{res['what']}\n\n{json.dumps(what)}\n\n{table(res)}\n\n"
+                                                      f"Command: `{res['command']}` at {res['commit']}\n")
+
+    for head in heads:
+        row = run_path(head, student, teacher, rows, heldout, a, device)
+        print(json.dumps({k: v for k, v in row.items() if k != "loss"}), flush=True)
+        res["rows"].append(row)
+        res["comparison"] = compare(res["rows"])
+        save()
     print(json.dumps(res, indent=1))
-    print(table(res["rows"]))
+    print(table(res))
     if a.profile:
-        shape = a.shapes.split(",")[0]
         a.steps = 3
         with profiled(device):
-            run(shape, min(micro.get(shape, [a.batch_size])[-1], a.batch_size), a.kl_chunk, a, device)
+            run_path("fused", student, teacher, rows, heldout, a, device)
 
 
 if __name__ == "__main__":

@@ -172,6 +172,10 @@ class CorpusSpec:
     """Split of a saved DatasetDict; the default "train" falls back to the first split if absent."""
     heldout_fraction: float = 0.5
     """Expected fraction of documents held out for perplexity, in (0, 1)."""
+    token_cache: str | None = None
+    """Directory of the token cache that `distill`, `recovery` and `tokenize` share: a corpus is tokenised once per
+    tokenizer and reused until it changes (None: $TAYLOR_CALIBRATE_TOKEN_CACHE, else $XDG_CACHE_HOME/taylor_calibrate/
+    tokens, else ~/.cache/taylor_calibrate/tokens). Safe to delete when no run is reading it."""
 
 
 @dataclass
@@ -457,6 +461,7 @@ class EvalArgs(NiahArgs):
 
 PARALLEL = ("ddp", "fsdp")
 TRAIN_MODES = ("mixers", "gdn", "all")
+LOSS_HEADS = ("fused", "logits")
 
 
 @dataclass
@@ -486,10 +491,14 @@ class TrainArgs:
     """Weight of the forward KL(teacher || student) on the logits, per token."""
     temperature: float = 1.0
     """Softmax temperature of the KL term (scaled back by T^2)."""
+    head: str = "fused"
+    """How the loss reaches the vocabulary: "fused" (each model runs to its final hidden states; both lm heads, the
+    KL and the cross-entropy are computed one chunk of tokens at a time, forward and backward, so no tokens x
+    vocabulary logits exist) or "logits" (the models' full logits, then the KL over chunks of them; the path before
+    the fused one, kept for benchmarks/distill_throughput.py's comparison). Both give the same loss."""
     kl_chunk: int = 4096
-    """Tokens per chunk of the KL term: fp32 softmaxes and the gradient are computed one chunk at a time, so memory
-    beyond the bf16 logits stays one chunk (0: the plain unchunked KL, the reference; several fp32 copies of
-    tokens x vocabulary)."""
+    """Tokens per chunk of the loss's logits: one chunk's fp32 softmaxes (and, fused, both heads' logits) exist at a
+    time."""
     repeat_spans: float = 0.0
     """Fraction of training rows given a repeated span: a piece of the row's own text copied again later in the row,
     which the teacher predicts by attending back over the gap; trains the retrieval a hybrid keeps (docs/method.md,
@@ -516,8 +525,8 @@ class TrainArgs:
     parallel: str = "ddp"
     """Under torchrun: "ddp" (replicated model) or "fsdp" (FSDP2 `fully_shard`, per decoder layer)."""
     compile: bool | None = None
-    """torch.compile every decoder layer of student and teacher and the KL loss (fuses the norms, activations, rotary
-    and the loss's passes over the logits; fla's kernels stay as they are), which raises throughput and lowers peak
+    """torch.compile every decoder layer of student and teacher and the loss's kernel over a chunk of logits (fuses the
+    norms, activations, rotary and the loss's passes over the logits; fla's kernels stay as they are), which raises throughput and lowers peak
     memory (docs/decisions.md, "distillation compile"). None: on with CUDA, off on a CPU. The first step pays the
     compilation."""
     peak_tflops: float | None = None
@@ -530,8 +539,10 @@ class TrainArgs:
             raise ValueError(f"train option train={self.train!r} is not one of {TRAIN_MODES}")
         if self.parallel not in PARALLEL:
             raise ValueError(f"train option parallel={self.parallel!r} is not one of {PARALLEL}")
-        if self.kl_chunk < 0:
-            raise ValueError(f"train option kl_chunk={self.kl_chunk} must be >= 0 (0: unchunked)")
+        if self.head not in LOSS_HEADS:
+            raise ValueError(f"train option head={self.head!r} is not one of {LOSS_HEADS}")
+        if self.kl_chunk < 1:
+            raise ValueError(f"train option kl_chunk={self.kl_chunk} must be >= 1 (tokens per chunk)")
         for name in ("tokens", "batch_size", "micro_batch_size", "eval_every", "save_every", "log_every"):
             v = getattr(self, name)
             if v is not None and v < 1:

@@ -23,6 +23,8 @@ import functools
 import hashlib
 import json
 import logging
+import os
+import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,9 +111,10 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _stdlib_documents() -> list[tuple[str, str]]:
+def _stdlib_files() -> list[tuple[str, Path]]:
+    """(doc id, path) of every file "builtin" reads, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    docs = []
+    files = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         dirs = rel.parts[:-1]
@@ -119,34 +122,46 @@ def _stdlib_documents() -> list[tuple[str, str]]:
             continue
         if rel.name.startswith("_sysconfigdata"):
             continue
-        text = _read_text(path)
-        if text is not None:
-            docs.append((rel.as_posix(), text))
-    return docs
+        files.append((rel.as_posix(), path))
+    return files
+
+
+def _stdlib_documents() -> list[tuple[str, str]]:
+    return [(doc_id, text) for doc_id, path in _stdlib_files() if (text := _read_text(path)) is not None]
+
+
+def _site_files() -> list[tuple[str, Path]]:
+    """(path relative to its site-packages directory, path) of every source file "pysrc" may read beyond builtin's, in
+    reading order: each site-packages directory in sysconfig / site order, sorted within; __pycache__ and files over
+    _PYSRC_MAX_BYTES (generated tables) left out. A path may appear under two directories (the first readable wins)."""
+    import site
+
+    roots = []
+    for r in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()):
+        if Path(r).is_dir() and Path(r).resolve() not in {x.resolve() for x in roots}:
+            roots.append(Path(r))
+    files = []
+    for root in roots:
+        for path in sorted(p for p in root.rglob("*") if p.suffix in _PYSRC_SUFFIXES and p.is_file()):
+            rel = path.relative_to(root).as_posix()
+            if "__pycache__" not in rel and path.stat().st_size <= _PYSRC_MAX_BYTES:
+                files.append((rel, path))
+    return files
 
 
 def _pysrc_documents() -> list[tuple[str, str]]:
     """builtin's documents (with builtin's ids, so at the same heldout_fraction each lands on the same side as in
     builtin: training on pysrc never reads builtin's held-out text) and every source file of the installed packages
-    ("site/<path>": Python, stubs and the C / C++ / CUDA sources and headers they ship, from each site-packages
-    directory in sysconfig / site order; a path seen twice is kept once). Files over _PYSRC_MAX_BYTES (generated tables) are skipped. The file set
-    is that of the environment that runs the toolkit."""
-    import site
-
-    docs = _stdlib_documents()
-    seen, roots = set(), []
-    for r in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()):
-        if Path(r).is_dir() and Path(r).resolve() not in {x.resolve() for x in roots}:
-            roots.append(Path(r))
-    for root in roots:
-        for path in sorted(p for p in root.rglob("*") if p.suffix in _PYSRC_SUFFIXES and p.is_file()):
-            rel = path.relative_to(root).as_posix()
-            if rel in seen or "__pycache__" in rel or path.stat().st_size > _PYSRC_MAX_BYTES:
-                continue
-            text = _read_text(path)
-            if text is not None:
-                seen.add(rel)
-                docs.append((f"site/{rel}", text))
+    ("site/<path>": Python, stubs and the C / C++ / CUDA sources and headers they ship, `_site_files`; a path seen
+    twice is kept once). The file set is that of the environment that runs the toolkit."""
+    docs, seen = _stdlib_documents(), set()
+    for rel, path in _site_files():
+        if rel in seen:
+            continue
+        text = _read_text(path)
+        if text is not None:
+            seen.add(rel)
+            docs.append((f"site/{rel}", text))
     return docs
 
 
@@ -357,8 +372,9 @@ def load_splits(spec: CorpusSpec, tokenizer, seq_len: int, calib_seqs: int, held
 
 # ----------------------------------------------------------------------------- token shards (distillation data)
 #
-# Distillation reads hundreds of millions of tokens: they are tokenised once, by `write_tokens` (the `tokenize`
-# command, or the first `distill` / `recovery` run), into one flat token stream per side of the document split,
+# Distillation reads hundreds of millions of tokens: they are tokenised once per corpus and tokenizer, by
+# `write_tokens` into the token cache (`cached_tokens`: the first `tokenize`, `distill` or `recovery` run that needs
+# them), into one flat token stream per side of the document split,
 # calib.bin and heldout.bin (uint16 when the vocabulary fits, else uint32; an eos between documents, as
 # pack_tokens), beside tokens.json (the source, the split, the tokenizer's fingerprint, the token counts). Training
 # reads fixed-length windows of calib.bin through a numpy memory map: memory does not grow with the budget, and the
@@ -411,21 +427,32 @@ def _iter_split_documents(spec: CorpusSpec):
             yield side, text
 
 
+def _listing_sha1(files: list[tuple[str, Path]]) -> str:
+    """sha1 over every file's (name, size, mtime): what changes when a file is added, removed or written."""
+    listing = []
+    for name, f in files:
+        st = f.stat()
+        listing.append([name, st.st_size, st.st_mtime_ns])
+    return hashlib.sha1(json.dumps(listing).encode()).hexdigest()
+
+
 def corpus_stamp(source: str) -> dict | None:
-    """What a local corpus is now: its absolute path, its file count and a sha1 over every file's (relative path,
-    size, mtime); None for "builtin", "pysrc" and "hf:" sources. Token shards record it, so that shards of a corpus
-    that changed since are not read as if they were its tokens."""
-    if source in ("builtin", "pysrc") or source.startswith("hf:"):
+    """What a corpus is now: its location, its file count and a sha1 over every file's (relative path, size, mtime).
+    "builtin" and "pysrc" are stamped by the files they read (the Python install: another version, or a package
+    installed or upgraded, stamps them differently); None for "hf:" sources. Token shards record it, so that shards
+    of a corpus that changed since are not read as if they were its tokens."""
+    if source.startswith("hf:"):
         return None
+    if source in ("builtin", "pysrc"):
+        files = _stdlib_files() + ([] if source == "builtin" else [(f"site/{r}", p) for r, p in _site_files()])
+        where = f"{source} of {sysconfig.get_paths()['stdlib']}"
+        return {"path": where, "files": len(files), "sha1": _listing_sha1(files)}
     root = Path(source).expanduser().resolve()
     if not root.exists():
         return None
     files = [root] if not root.is_dir() else sorted(p for p in root.rglob("*") if p.is_file())
-    listing = []
-    for f in files:
-        st = f.stat()
-        listing.append([f.name if f == root else f.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns])
-    return {"path": str(root), "files": len(listing), "sha1": hashlib.sha1(json.dumps(listing).encode()).hexdigest()}
+    named = [(f.name if f == root else f.relative_to(root).as_posix(), f) for f in files]
+    return {"path": str(root), "files": len(named), "sha1": _listing_sha1(named)}
 
 
 def read_token_meta(root: str | Path) -> dict:
@@ -466,10 +493,13 @@ def check_token_ids(root: str | Path, vocab_size: int) -> None:
                              f"tokens: it is damaged; delete {root} and tokenise the corpus again")
 
 
-def write_tokens(spec: CorpusSpec, tokenizer, out: str | Path, rebuild: bool = False) -> Path:
+def write_tokens(spec: CorpusSpec, tokenizer, out: str | Path, rebuild: bool = False,
+                 shards: Path | None = None) -> Path:
     """Tokenise `spec`'s corpus once into `out` (see above); an existing `out` for the same corpus and tokenizer is
-    reused, one for another is an error, and one whose local corpus changed since is rewritten (`rebuild`) or an
-    error. Written to a temporary directory and renamed (`staged_dir`): complete or absent. Holds `out`'s lock."""
+    reused, one for another is an error, and one whose corpus changed since is rewritten (`rebuild`) or an error.
+    `shards`: a directory already holding this corpus's shards for this tokenizer (the cache, `cached_tokens`),
+    whose files are linked (copied across file systems) instead. Written to a temporary directory and renamed
+    (`staged_dir`): complete or absent. Holds `out`'s lock."""
     from taylor_calibrate.checkpoint import staged_dir
     from taylor_calibrate.checks import output_lock
 
@@ -495,6 +525,12 @@ def write_tokens(spec: CorpusSpec, tokenizer, out: str | Path, rebuild: bool = F
             log.warning("corpus %s changed since %s was written: tokenising it again", spec.source, out)
         elif out.exists() and any(out.iterdir()):
             raise FileExistsError(f"{out} exists and is not a token-shard directory; pass an empty or new directory")
+        if shards is not None:
+            with staged_dir(out) as tmp:
+                for name in (TOKENS_META, *(f"{side}.bin" for side in SIDES)):
+                    _link_or_copy(shards / name, tmp / name)
+            log.info("token shards of %s: %s -> %s", spec.source, shards, out)
+            return out
         eos = tokenizer.eos_token_id
         dtype = np.uint16 if len(tokenizer) <= 2 ** 16 else np.uint32
         counts, docs = dict.fromkeys(SIDES, 0), dict.fromkeys(SIDES, 0)
@@ -536,6 +572,81 @@ def write_tokens(spec: CorpusSpec, tokenizer, out: str | Path, rebuild: bool = F
     log.info("tokenised %s: %s tokens (calibration / held-out) -> %s", spec.source,
              " / ".join(f"{counts[s]:,}" for s in SIDES), out)
     return out
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link (shards are never written in place, so a link is as good as a copy), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+# The token cache: shards written once per (corpus as it is now, tokenizer, split), shared by every command and run
+# of the user (`distill`, `recovery`, `tokenize`), each entry a directory of `write_tokens` named by a digest of its
+# key. A changed corpus (`corpus_stamp`: its files' sizes and times; for builtin / pysrc the Python install) or
+# another tokenizer gives another key, so stale shards are never read; old entries stay until the cache is deleted
+# (any time no run is reading it).
+TOKEN_CACHE_ENV = "TAYLOR_CALIBRATE_TOKEN_CACHE"
+
+
+def token_cache_dir(option: str | None = None) -> Path:
+    """The token cache: `option` (--data.token_cache), else $TAYLOR_CALIBRATE_TOKEN_CACHE, else
+    $XDG_CACHE_HOME/taylor_calibrate/tokens, else ~/.cache/taylor_calibrate/tokens."""
+    if option:
+        return Path(option).expanduser()
+    if os.environ.get(TOKEN_CACHE_ENV):
+        return Path(os.environ[TOKEN_CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "taylor_calibrate" / "tokens"
+
+
+def cache_entry(spec: CorpusSpec, tokenizer) -> Path:
+    """The cache directory of `spec`'s corpus as it is now, tokenised by `tokenizer`: <cache>/<name>-<digest of the
+    source, its corpus_stamp, the tokenizer's fingerprint and the split>."""
+    local = spec.source not in ("builtin", "pysrc") and not spec.source.startswith("hf:")
+    source = str(Path(spec.source).expanduser().resolve()) if local else spec.source
+    key = {"format": 1, "source": source, "corpus": corpus_stamp(spec.source),
+           "tokenizer": tokenizer_fingerprint(tokenizer), "text_field": spec.text_field, "split": spec.split,
+           "heldout_fraction": spec.heldout_fraction}
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    name = "".join(c if c.isalnum() or c in "._" else "_" for c in (Path(source).name if local else source))
+    return token_cache_dir(spec.token_cache) / f"{name[:40]}-{digest}"
+
+
+@contextlib.contextmanager
+def _waiting_lock(path: Path, what: str):
+    """An exclusive flock on `path`, waiting while another process holds it (the OS drops a dead holder's)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            log.info("waiting for another process writing %s", what)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cached_tokens(spec: CorpusSpec, tokenizer) -> Path:
+    """`spec`'s corpus as token shards for `tokenizer`, from the cache (`cache_entry`), tokenised there first if
+    absent. Under the entry's lock: of two processes asking at once, one tokenises and the other waits, then reads
+    it. A damaged entry is written again."""
+    entry = cache_entry(spec, tokenizer)
+    with _waiting_lock(entry.parent / ".locks" / entry.name, str(entry)):
+        if (entry / TOKENS_META).exists():
+            try:
+                read_token_meta(entry)
+                log.info("token shards of %s from the cache: %s", spec.source, entry)
+                return entry
+            except ValueError as e:
+                log.warning("%s; tokenising it again", e)
+                shutil.rmtree(entry)
+        return write_tokens(spec, tokenizer, entry)
 
 
 class TokenWindows:
@@ -657,19 +768,19 @@ def recall_rows(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed:
     return out
 
 
-def distill_data(spec, tokenizer, default_dir: Path, budget: int, *, main: bool = True,
+def distill_data(spec, tokenizer, budget: int, *, main: bool = True,
                  barrier=None) -> tuple[TokenWindows, torch.Tensor]:
     """(training windows, held-out rows) for distillation: from `spec.source` when it is a token-shard directory,
-    else from shards written on first use to `default_dir` (by the main process; the others wait at `barrier`).
-    The held-out rows are the first spec.eval_seqs windows of the held-out side."""
-    root = Path(spec.source).expanduser() if is_token_dir(spec.source) else default_dir
+    else from the token cache (`cached_tokens`: tokenised on first use by the main process; the others wait at
+    `barrier`). The held-out rows are the first spec.eval_seqs windows of the held-out side."""
+    if is_token_dir(spec.source):
+        root = Path(spec.source).expanduser()
+        if main and read_token_meta(root)["tokenizer"] != tokenizer_fingerprint(tokenizer):
+            raise ValueError(f"token shards {root} were written with another tokenizer than the model's; run "
+                             "`taylor-calibrate tokenize` with this model")
+    else:
+        root = cached_tokens(spec, tokenizer) if main else cache_entry(spec, tokenizer)
     if main:
-        if root is default_dir:
-            write_tokens(spec, tokenizer, root)
-        else:
-            if read_token_meta(root)["tokenizer"] != tokenizer_fingerprint(tokenizer):
-                raise ValueError(f"token shards {root} were written with another tokenizer than the model's; run "
-                                 "`taylor-calibrate tokenize` with this model")
         check_token_ids(root, len(tokenizer))
     if barrier is not None:
         barrier()
@@ -685,10 +796,12 @@ def distill_data(spec, tokenizer, default_dir: Path, budget: int, *, main: bool 
 @writes_out("tokenize")
 def run_tokenize(args) -> dict:
     """Tokenise a corpus once into memory-mapped token shards (calibration / held-out documents) for `distill` and
-    `recovery`; pass the directory as their --data.source."""
+    `recovery`; pass the directory as their --data.source. The shards go through the token cache: a corpus already
+    tokenised for this tokenizer is linked, not tokenised again, and distill / recovery reuse what this writes."""
     from taylor_calibrate.teacher import load_tokenizer
 
-    out = write_tokens(args.data, load_tokenizer(args.model), args.out, rebuild=True)
+    tokenizer = load_tokenizer(args.model)
+    out = write_tokens(args.data, tokenizer, args.out, rebuild=True, shards=cached_tokens(args.data, tokenizer))
     meta = read_token_meta(out)
     tokens, docs = meta["tokens"], meta["documents"]
     print(f"token shards {out}: {tokens['calib']:,} calibration / {tokens['heldout']:,} held-out tokens from "

@@ -6,9 +6,11 @@
          + hidden_weight * sum_l |h_l - h_l^T|^2 / |h_l^T|^2  every layer's output (optional)
          + ce_weight * CE(student, next token)                (optional)
 
-The KL runs over chunks of tokens (`chunked_kl`: fp32 softmaxes of one chunk at a time, its gradient formed in the
-same pass), so the bf16 logits and their gradient are the only (tokens x vocabulary) tensors; `forward_kl` is its
-plain reference.
+No (tokens x vocabulary) logits exist (`--train.head fused`, the default): both models run to their final hidden
+states, and `fused_kd` applies both lm heads (with any final logit soft-cap), the KL and the cross-entropy one chunk
+of tokens at a time, the gradients w.r.t. the student's hidden states and head weight formed in the same pass; the
+held-out evaluation goes the same way. `--train.head logits` takes the models' full logits and the KL over chunks of
+them (`chunked_kl`); `forward_kl` is the plain fp32 reference both are tested against.
 Training data are fixed-length windows of the token shards (`data.write_tokens`: tokenised once, memory-mapped, so
 memory does not grow with the budget); the windows of a step are a function of the step alone (`data.step_windows`),
 and the optimizer step uses the same global batch whatever the number of processes, so a resumed run, a 1-process
@@ -22,7 +24,6 @@ of another run is refused with the difference named.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -152,8 +153,8 @@ def uncompile_layers(*models) -> None:
 def forward_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float,
                weights: torch.Tensor | None = None) -> torch.Tensor:
     """tau^2 KL(softmax(t / tau) || softmax(s / tau)), mean over tokens (each token's KL times its `weights` (B, T)
-    when given), in fp32: the reference `chunked_kl` is tested against (`--train.kl_chunk 0`). It holds several fp32
-    (tokens x vocab) copies of the logits at once."""
+    when given), in fp32 on full logits: the reference that `fused_kd` and `chunked_kl` are tested against. It holds
+    several fp32 (tokens x vocab) copies of the logits at once."""
     if tau != 1.0:
         s_logits, t_logits = s_logits.float() / tau, t_logits.float() / tau
     t_logp = F.log_softmax(t_logits.float(), -1)
@@ -162,23 +163,160 @@ def forward_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float,
     return (kl if weights is None else kl * weights).mean() * tau ** 2
 
 
-def kl_chunk(s: torch.Tensor, t: torch.Tensor, tau: float, scale: float,
-             w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of rows (n, V), in fp32 inside: (sum over rows of w x KL(p_t || p_s), scale * w x dKL/ds in s's
-    dtype), where dKL/ds = (p_s - p_t) / tau; `w` (n,): the rows' weights (None: 1)."""
-    s_logp = F.log_softmax(s.float() / tau, -1)
-    t_logp = F.log_softmax(t.float() / tau, -1)
-    t_p = t_logp.exp()
-    kl, grad = (t_p * (t_logp - s_logp)).sum(-1), (s_logp.exp() - t_p) * (scale / tau)
-    if w is not None:
-        kl, grad = kl * w, grad * w[:, None]
-    return kl.sum(), grad.to(s.dtype)
+def kd_chunk(s, t, y, w, tau: float, kl_scale: float, ce_scale: float, s_cap: float | None = None,
+             t_cap: float | None = None, grad: bool = True):
+    """One chunk of n rows, fp32 inside: (sum over rows of w x KL(p_t || p_s) at temperature tau, sum of the
+    next-token NLL, the gradient of kl_scale x that KL sum + ce_scale x that NLL sum w.r.t. `s` in s's dtype; None
+    for what was not asked).
+
+    s, t: (n, V) logits of student and teacher before their soft-caps `s_cap`, `t_cap` (cap x tanh(logit / cap),
+    Gemma's final_logit_softcapping); t None: no KL. y (n,): next-token ids, negative where there is none; None: no
+    NLL. w (n,): the rows' KL weights (None: 1). dKL/ds = (p_s - p_t) / tau, dNLL/ds = softmax(s) - onehot(y), times
+    1 - (s / cap)^2 through a cap. The one kernel of both loss paths; `--train.compile` compiles it."""
+    dtype = s.dtype
+    s = s.float()
+    if s_cap:
+        s = torch.tanh(s / s_cap) * s_cap
+    kl = nll = g = s_logp = None
+    if t is not None:
+        t = t.float()
+        if t_cap:
+            t = torch.tanh(t / t_cap) * t_cap
+        s_logp, t_logp = F.log_softmax(s / tau, -1), F.log_softmax(t / tau, -1)
+        t_p = t_logp.exp()
+        kl = (t_p * (t_logp - s_logp)).sum(-1)
+        if grad:
+            g = (s_logp.exp() - t_p) * (kl_scale / tau)
+        if w is not None:
+            kl = kl * w
+            g = None if g is None else g * w[:, None]
+        kl = kl.sum()
+    if y is not None:
+        logp = s_logp if s_logp is not None and tau == 1.0 else F.log_softmax(s, -1)
+        valid = (y >= 0).float()
+        at = y.clamp(min=0)[:, None]
+        nll = -(logp.gather(1, at).squeeze(1) * valid).sum()
+        if grad:
+            gc = logp.exp().scatter_add(1, at, torch.full_like(at, -1, dtype=logp.dtype)) * (valid * ce_scale)[:, None]
+            g = gc if g is None else g + gc
+    if g is not None and s_cap:
+        g = g * (1 - (s / s_cap) ** 2)
+    return kl, nll, None if g is None else g.to(dtype)
+
+
+@dataclass(frozen=True)
+class Head:
+    """A model's output layer as the fused loss applies it: logits = cap x tanh(h @ weight.T / cap) (no cap: None)."""
+    weight: torch.Tensor
+    cap: float | None = None
+
+
+def output_head(model) -> Head:
+    """`model`'s lm_head weight and final logit soft-cap (read after its forward: under FSDP2 the root's parameters
+    are whole only then). A head the fused loss cannot apply as the model does is refused."""
+    m = model.module if hasattr(model, "module") else model  # DDP
+    head = m.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        raise ValueError(f"{type(m).__name__}'s output layer is not a bias-free linear lm_head, which the fused "
+                         "distillation loss assumes; pass --train.head logits")
+    return Head(head.weight, getattr(m.config, "final_logit_softcapping", None) or None)
+
+
+def check_head(model, ids: torch.Tensor, who: str) -> None:
+    """`model`'s own logits at the last position of `ids` against its `output_head` applied to its final hidden
+    state: a model that does anything else to its logits (a scale, another cap) is refused before training, not
+    distilled wrongly."""
+    with torch.no_grad():
+        out = model_hidden(model, ids)
+        head = output_head(model)
+        h, theirs = out.hidden_states[-1][:, -1], out.logits[:, -1].float()
+        ours = F.linear(h.to(head.weight.dtype), head.weight).float()
+        if head.cap:
+            ours = torch.tanh(ours / head.cap) * head.cap
+        err, size = (ours - theirs).abs().max().item(), theirs.abs().max().item()
+    if not err <= 1e-2 * size + 1e-5:
+        raise ValueError(f"the {who}'s logits are not lm_head(final hidden state) with its final_logit_softcapping "
+                         f"(they differ by {err:.3g} at logits of size {size:.3g}): the fused distillation loss would "
+                         "be wrong for it; pass --train.head logits")
+
+
+def model_hidden(model, ids: torch.Tensor, hidden: bool = False):
+    """The model's forward with the logits of the last position only: .hidden_states[-1] is the final (normed) hidden
+    state, the whole tuple (every layer's output) when `hidden`. The root's forward runs, so DDP and FSDP2 see it."""
+    return model(input_ids=ids, use_cache=False, output_hidden_states=True if hidden else -1, logits_to_keep=1)
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+class _FusedKD(torch.autograd.Function):
+    """fused_kd's value and gradient, `chunk` rows at a time: each chunk's logits of both heads are formed, reduced
+    (`kernel`) and dropped; the gradients w.r.t. the student's hidden states and head weight are accumulated in the
+    forward pass (their closed form needs the same softmaxes), and the backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, s_h, s_w, t_h, t_w, y, w, tau, kl_scale, ce_scale, s_cap, t_cap, chunk, kernel):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad = need_h or need_w
+        dt = _matmul_dtype(s_h)  # bf16 under the training's autocast, as the model's own lm_head would run
+        s_wc = s_w.to(dt)
+        t_wc = None if t_w is None else t_w.to(dt)
+        gh = torch.empty_like(s_h) if need_h else None
+        gw = torch.zeros(s_w.shape, dtype=torch.float32, device=s_w.device) if need_w else None
+        kl, nll = (torch.zeros((), dtype=torch.float32, device=s_h.device) for _ in range(2))
+        for i in range(0, s_h.shape[0], chunk):
+            h = s_h[i:i + chunk].to(dt)
+            zt = None if t_h is None else F.linear(t_h[i:i + chunk].to(dt), t_wc)
+            k, c, g = kernel(F.linear(h, s_wc), zt, None if y is None else y[i:i + chunk],
+                             None if w is None else w[i:i + chunk], tau, kl_scale, ce_scale, s_cap, t_cap, grad)
+            kl = kl if k is None else kl + k
+            nll = nll if c is None else nll + c
+            if gh is not None:
+                gh[i:i + chunk] = g @ s_wc
+            if gw is not None:
+                gw += (g.t() @ h).float()
+        ctx.grads, ctx.w_dtype = (gh, gw), s_w.dtype
+        ctx.mark_non_differentiable(kl, nll)
+        return kl * kl_scale + nll * ce_scale, kl, nll
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        (gh, gw), ctx.grads = ctx.grads, None
+        gh = None if gh is None else gh.mul_(grad_out.to(gh.dtype))
+        gw = None if gw is None else gw.mul_(grad_out).to(ctx.w_dtype)
+        return gh, gw, *([None] * 11)
+
+
+def fused_kd(s_hidden: torch.Tensor, s_head: Head, t_hidden: torch.Tensor | None, t_head: Head | None, *,
+             tau: float = 1.0, kl_weight: float = 1.0, ce_weight: float = 0.0, labels: torch.Tensor | None = None,
+             weights: torch.Tensor | None = None, chunk: int = 4096,
+             kernel=kd_chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits terms of the distillation loss from the final hidden states (B, T, H) and the heads, without ever
+    forming (tokens x vocabulary) logits: only one chunk of `chunk` tokens' logits exists at a time, forward and
+    backward. Returns (loss, sum of the tokens' weighted KL, sum of their NLL) where loss = kl_weight x tau^2 x mean
+    over tokens of weights x KL(teacher_tau || student_tau) (= forward_kl) + ce_weight x mean NLL of `labels` (B, T)
+    over the tokens that have one (>= 0); differentiable w.r.t. s_hidden and s_head.weight (a tied embedding too).
+    t_hidden None: no KL. The matmuls run in the autocast dtype when autocast is on.
+
+    Not fla's `fused_kl_div_loss` nor Liger's fused linear JSD: neither takes per-token weights
+    (--train.far_weight) or a final logit soft-cap, fla's has no temperature or NLL term, and both are Triton only (no
+    CPU path for the tests); the compiled `kd_chunk` gives the fused pass over each chunk's logits that their kernels
+    do."""
+    n = s_hidden.shape[0] * s_hidden.shape[1]
+    y = None if labels is None else labels.reshape(-1)
+    ce_scale = 0.0 if y is None else ce_weight / (y >= 0).sum().clamp(min=1)  # a tensor: no host sync
+    w = None if weights is None else weights.reshape(-1).float()
+    t_h = None if t_hidden is None else t_hidden.reshape(n, -1)
+    return _FusedKD.apply(s_hidden.reshape(n, -1), s_head.weight, t_h, None if t_head is None else t_head.weight, y,
+                          w, tau, kl_weight * tau ** 2 / n, ce_scale, s_head.cap, None if t_head is None else t_head.cap,
+                          chunk, kernel)
 
 
 class _ChunkedKL(torch.autograd.Function):
-    """forward_kl's value, `chunk` rows at a time. The gradient is computed in the forward pass chunk by chunk (its
-    closed form needs the same softmaxes) into one buffer of the logits' dtype, and the backward only scales it: no
-    recomputation, and no fp32 (tokens x vocab) tensor beyond one chunk."""
+    """forward_kl's value on full logits, `chunk` rows at a time. The gradient is computed in the forward pass chunk by
+    chunk into one buffer of the logits' dtype, and the backward only scales it."""
 
     @staticmethod
     def forward(ctx, s_logits, t_logits, tau, chunk, kernel, weights=None):
@@ -188,7 +326,8 @@ class _ChunkedKL(torch.autograd.Function):
         grad = torch.empty_like(s) if ctx.needs_input_grad[0] else None
         total = torch.zeros((), dtype=torch.float32, device=s.device)
         for i in range(0, n, chunk):
-            kl, g = kernel(s[i:i + chunk], t[i:i + chunk], tau, tau ** 2 / n, None if w is None else w[i:i + chunk])
+            kl, _, g = kernel(s[i:i + chunk], t[i:i + chunk], None, None if w is None else w[i:i + chunk], tau,
+                              tau ** 2 / n, 0.0, None, None, grad is not None)
             total = total + kl
             if grad is not None:
                 grad[i:i + chunk] = g
@@ -202,25 +341,34 @@ class _ChunkedKL(torch.autograd.Function):
 
 
 def chunked_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float, weights: torch.Tensor | None = None,
-               chunk: int = 4096, kernel=kl_chunk) -> torch.Tensor:
-    """forward_kl (same value, same gradient, same `weights`) over `chunk` tokens at a time: memory beyond the bf16
-    logits is one fp32 chunk. `kernel` is `kl_chunk`, or its torch.compile'd version (`--train.compile`: one fused
-    pass per chunk).
-
-    Why not liger-kernel's losses: its logits KL is a Triton kernel (no CPU path, so no reference where tests run),
-    and its fused linear losses take the student's final hidden states and lm_head weight outside the model's
-    forward, where FSDP2 keeps the root's parameters sharded."""
+               chunk: int = 4096, kernel=kd_chunk) -> torch.Tensor:
+    """forward_kl (same value, same gradient, same `weights`) over the models' full logits, `chunk` tokens at a time
+    (`--train.head logits`): memory beyond the bf16 logits and their gradient is one fp32 chunk."""
     return _ChunkedKL.apply(s_logits, t_logits, tau, chunk, kernel, weights)
 
 
-def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs,
-            kl_fn=forward_kl, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs, weights: torch.Tensor | None = None,
+            heads: tuple[Head, Head] | None = None, kernel=kd_chunk) -> tuple[torch.Tensor, dict]:
     """The distillation loss of the module docstring, mean over tokens (the KL's tokens weighted by `weights` (B, T)
-    when given); returns (loss, its parts as floats)."""
+    when given); returns (loss, its parts as floats). `heads` (student's, teacher's): the fused path (`fused_kd`) on
+    the outputs' final hidden states (`model_hidden`); None: the outputs' full logits (`chunked_kl`)."""
     parts = {}
     loss = 0.0
-    if args.kl_weight:
-        kl = kl_fn(student_out.logits, teacher_out.logits, args.temperature, weights)
+    if heads is not None and (args.kl_weight or args.ce_weight):
+        labels = F.pad(ids[:, 1:], (0, 1), value=-100) if args.ce_weight else None
+        kl_on = bool(args.kl_weight)
+        with autocast(ids.device):  # the heads' matmuls in bf16 on CUDA, as the models' own lm_head would run
+            fused, kl, nll = fused_kd(student_out.hidden_states[-1], heads[0],
+                                      teacher_out.hidden_states[-1] if kl_on else None, heads[1] if kl_on else None,
+                                      tau=args.temperature, kl_weight=args.kl_weight, ce_weight=args.ce_weight,
+                                      labels=labels, weights=weights, chunk=args.kl_chunk, kernel=kernel)
+        loss = loss + fused
+        if kl_on:
+            parts["kl"] = kl.detach() * args.temperature ** 2 / ids.numel()
+        if args.ce_weight:
+            parts["ce"] = nll.detach() / (ids.shape[0] * (ids.shape[1] - 1))
+    elif heads is None and args.kl_weight:
+        kl = chunked_kl(student_out.logits, teacher_out.logits, args.temperature, weights, args.kl_chunk, kernel)
         loss = loss + args.kl_weight * kl
         parts["kl"] = kl.detach()
     if args.hidden_weight:
@@ -228,7 +376,7 @@ def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs,
         mse = sum(((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean()) for a, b in zip(hs, ht)) / len(ht)
         loss = loss + args.hidden_weight * mse
         parts["hidden_mse"] = mse.detach()
-    if args.ce_weight:
+    if args.ce_weight and heads is None:
         ce = F.cross_entropy(student_out.logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
         loss = loss + args.ce_weight * ce
         parts["ce"] = ce.detach()
@@ -237,8 +385,10 @@ def kd_loss(student_out, teacher_out, ids: torch.Tensor, args: TrainArgs,
 
 
 @torch.no_grad()
-def heldout_eval(model, teacher, rows: torch.Tensor, batch_size: int, ctx: Dist, device, chunk: int = 4096) -> dict:
-    """Student next-token loss (and KL to the teacher) on held-out rows, sharded over processes and summed."""
+def heldout_eval(model, teacher, rows: torch.Tensor, batch_size: int, ctx: Dist, device, chunk: int = 4096,
+                 kernel=kd_chunk) -> dict:
+    """Student next-token loss (and KL to the teacher) on held-out rows, sharded over processes and summed; through
+    the fused heads (`fused_kd`), so no full logits."""
     was = model.training
     model.eval()
     mine = rows[ctx.rank::ctx.world]
@@ -246,14 +396,11 @@ def heldout_eval(model, teacher, rows: torch.Tensor, batch_size: int, ctx: Dist,
     for i in range(0, mine.shape[0], batch_size):
         ids = mine[i:i + batch_size].to(device)
         with autocast(device):
-            s = model(input_ids=ids, use_cache=False).logits[:, :-1]
-            t = teacher(input_ids=ids, use_cache=False).logits[:, :-1]
-        s, t, y = s.reshape(-1, s.shape[-1]), t.reshape(-1, t.shape[-1]), ids[:, 1:].reshape(-1)
-        for j in range(0, y.numel(), chunk):  # fp32 one chunk of tokens at a time, as chunked_kl
-            s_logp, t_logp = F.log_softmax(s[j:j + chunk].float(), -1), F.log_softmax(t[j:j + chunk].float(), -1)
-            nll += F.nll_loss(s_logp, y[j:j + chunk], reduction="sum").item()
-            kl += F.kl_div(s_logp, t_logp, log_target=True, reduction="sum").item()
-        n += y.numel()
+            s = model_hidden(model, ids).hidden_states[-1][:, :-1]
+            t = model_hidden(teacher, ids).hidden_states[-1][:, :-1]
+            _, k, c = fused_kd(s, output_head(model), t, output_head(teacher), labels=ids[:, 1:], chunk=chunk,
+                               kernel=kernel)
+        nll, kl, n = nll + c.item(), kl + k.item(), n + ids[:, 1:].numel()
     nll, kl, n = all_sum([nll, kl, n], ctx, device)
     model.train(was)
     loss = nll / n
@@ -494,9 +641,13 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         p.requires_grad_(n in trained)
     teacher.requires_grad_(False).eval()
     compiled = args.compile if args.compile is not None else device.type == "cuda"
-    kernel = torch.compile(kl_chunk) if compiled else kl_chunk
-    kl_fn = (functools.partial(chunked_kl, chunk=args.kl_chunk, kernel=kernel) if args.kl_chunk
-             else torch.compile(forward_kl) if compiled else forward_kl)
+    kernel = torch.compile(kd_chunk) if compiled else kd_chunk
+    fused = args.head == "fused"
+    if fused:  # both heads are what the fused loss assumes (a short row, eager, before anything is wrapped)
+        probe = rows[range(1)][:, :16].to(device)
+        with autocast(device):
+            check_head(student, probe, "student")
+            check_head(teacher, probe, "teacher")
     layers = student.config.gdn_layers
     far = FarMass(gdn_heads(teacher.config, layers, {i: student.config.kept_groups(i) for i in layers})) \
         if args.far_weight else None
@@ -531,7 +682,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
 
     def evaluate(step):
         rec = {"step": step, "tokens": step * tokens_per_step, **heldout_eval(model, teacher, heldout, eval_batch_size,
-                                                                               ctx, device)}
+                                                                               ctx, device, args.kl_chunk, kernel)}
         if not math.isfinite(rec["heldout_loss"]):
             raise RuntimeError(f"{desc}: the held-out loss is {rec['heldout_loss']} at step {step}: the student's "
                                "outputs are not finite; lower --train.lr (checkpoints before this step are kept)")
@@ -561,13 +712,16 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             ids = recall_rows(ids, windows, args.recall_rows, args.seed, step).to(device, non_blocking=True)
             hidden = args.hidden_weight > 0
             with torch.no_grad(), autocast(device), observing(teacher, far) if far else nullcontext():
-                t_out = teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden)
+                t_out = (model_hidden(teacher, ids, hidden) if fused
+                         else teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden))
             weights = far.weights(args.far_weight) if far else None
             sync = nullcontext() if j == accum - 1 or not hasattr(model, "no_sync") else model.no_sync()
             with sync:
                 with autocast(device):
-                    s_out = model(input_ids=ids, use_cache=False, output_hidden_states=hidden)
-                loss, parts = kd_loss(s_out, t_out, ids, args, kl_fn, weights)
+                    s_out = (model_hidden(model, ids, hidden) if fused
+                             else model(input_ids=ids, use_cache=False, output_hidden_states=hidden))
+                heads = (output_head(student), output_head(teacher)) if fused else None
+                loss, parts = kd_loss(s_out, t_out, ids, args, weights, heads, kernel)
                 (loss / accum).backward()
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v / accum
@@ -659,7 +813,7 @@ def run_distill(args: DistillArgs) -> dict:
                      student.config.teacher_name or "see its report.json", who="student")
     teacher = loaded.model
     out = Path(args.out)
-    train_rows, heldout = distill_data(args.data, tokenizer, out / "tokens", args.train.tokens, main=ctx.main,
+    train_rows, heldout = distill_data(args.data, tokenizer, args.train.tokens, main=ctx.main,
                                        barrier=dist.barrier if ctx.world > 1 else None)
     data = {k: getattr(args.data, k) for k in ("source", "text_field", "split", "heldout_fraction")}
     report = distill(student, teacher, train_rows, heldout, args.train, args.out, resume=args.resume,

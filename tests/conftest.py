@@ -45,6 +45,14 @@ def tiny_teacher(arch: str, seed: int = 0, **over):
     return model.eval()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def token_cache(tmp_path_factory):
+    """The token cache of the session (`data.cached_tokens`), never the user's ~/.cache; subprocesses inherit it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TAYLOR_CALIBRATE_TOKEN_CACHE", str(tmp_path_factory.mktemp("token_cache")))
+        yield
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param

@@ -2,6 +2,7 @@
 
 import functools
 import json
+from pathlib import Path
 
 import datasets
 import pytest
@@ -352,28 +353,141 @@ def test_pysrc_corpus_is_stdlib_and_site_packages():
     assert builtin_heldout and not builtin_heldout & pysrc_calib
 
 
-def test_distill_data_reads_a_token_directory_or_writes_one(tmp_path, caplog):
+def test_distill_data_reads_a_token_directory_or_the_cache(tmp_path, caplog, monkeypatch):
     """distill's data: --data.source naming a token directory is read as is (checked against the model's
-    tokenizer); any other source is tokenised once into the default directory. A budget beyond the corpus warns."""
+    tokenizer); any other source comes from the token cache. A budget beyond the corpus warns."""
     from taylor_calibrate.config import DataArgs
     from taylor_calibrate.data import distill_data, write_tokens
 
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TOKEN_CACHE", str(tmp_path / "cache"))
     (tmp_path / "c").mkdir()
     for doc_id, text in word_docs(40):
         (tmp_path / "c" / doc_id).write_text(text)
     tok = word_tokenizer()
-    train, heldout = distill_data(DataArgs(source=str(tmp_path / "c"), seq_len=8, eval_seqs=3), tok,
-                                  tmp_path / "default", budget=100)
-    assert train.root == tmp_path / "default" and heldout.shape == (3, 8)
+    train, heldout = distill_data(DataArgs(source=str(tmp_path / "c"), seq_len=8, eval_seqs=3), tok, budget=100)
+    assert train.root.parent == tmp_path / "cache" and train.root.name.startswith("c-") and heldout.shape == (3, 8)
     shards = write_tokens(CorpusSpec(source=str(tmp_path / "c")), tok, tmp_path / "shards")
     with caplog.at_level("WARNING"):
-        train2, heldout2 = distill_data(DataArgs(source=str(shards), seq_len=8, eval_seqs=3), tok,
-                                        tmp_path / "unused", budget=10 ** 6)
-    assert train2.root == shards and not (tmp_path / "unused").exists()
+        train2, heldout2 = distill_data(DataArgs(source=str(shards), seq_len=8, eval_seqs=3), tok, budget=10 ** 6)
+    assert train2.root == shards and len(list((tmp_path / "cache").iterdir())) == 2  # the entry and .locks
     assert torch.equal(train2.first(5), train.first(5)) and torch.equal(heldout2, heldout)
     assert "training repeats them" in caplog.text
     with pytest.raises(ValueError, match="another tokenizer than the model's"):
-        distill_data(DataArgs(source=str(shards), seq_len=8, eval_seqs=3), byte_tokenizer(), tmp_path / "x", 100)
+        distill_data(DataArgs(source=str(shards), seq_len=8, eval_seqs=3), byte_tokenizer(), 100)
+
+
+def _counting_tokenizer(monkeypatch):
+    """word_tokenizer, and a list that gets one entry per write_tokens tokenisation (not per cache read)."""
+    from taylor_calibrate import data
+
+    runs, real = [], data.write_tokens
+
+    def counted(spec, tokenizer, out, rebuild=False, shards=None):
+        if shards is None and not (Path(out) / "tokens.json").exists():
+            runs.append(Path(out))
+        return real(spec, tokenizer, out, rebuild, shards)
+
+    monkeypatch.setattr(data, "write_tokens", counted)
+    return runs
+
+
+def test_the_token_cache_tokenises_a_corpus_once_per_tokenizer(tmp_path, monkeypatch):
+    """The second run on the same corpus and tokenizer reads the cache; a changed corpus file, another tokenizer or
+    another split gets its own shards; a damaged entry is written again; --data.token_cache wins over the env."""
+    from taylor_calibrate.config import DataArgs
+    from taylor_calibrate.data import cached_tokens, distill_data
+
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TOKEN_CACHE", str(tmp_path / "cache"))
+    runs = _counting_tokenizer(monkeypatch)
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    for doc_id, text in word_docs(40):
+        (corpus / doc_id).write_text(text)
+    spec = DataArgs(source=str(corpus), seq_len=8, eval_seqs=3)
+    first, _ = distill_data(spec, word_tokenizer(), 100)
+    again, _ = distill_data(spec, word_tokenizer(), 100)
+    assert again.root == first.root and len(runs) == 1
+    (corpus / "doc00.txt").write_text("w1 w2 w3")  # a changed file: new shards, the old ones are not read
+    changed, _ = distill_data(spec, word_tokenizer(), 100)
+    assert changed.root != first.root and len(runs) == 2
+    assert changed.meta["tokens"] != first.meta["tokens"]
+    other = cached_tokens(spec, byte_tokenizer())
+    split = cached_tokens(DataArgs(source=str(corpus), heldout_fraction=0.3), word_tokenizer())
+    assert len({changed.root, other, split}) == 3 and len(runs) == 4
+    (changed.root / "calib.bin").write_bytes(b"\0")  # a damaged entry: written again, not read
+    assert cached_tokens(spec, word_tokenizer()) == changed.root and len(runs) == 5
+    mine = cached_tokens(DataArgs(source=str(corpus), token_cache=str(tmp_path / "mine")), word_tokenizer())
+    assert mine.parent == tmp_path / "mine" and len(runs) == 6
+
+
+def test_builtin_sources_are_keyed_by_the_python_install(tmp_path, monkeypatch):
+    """builtin / pysrc have no corpus path: their cache key is the stamp of the files they read, so a changed
+    install (here a stdlib file touched) does not reuse the old shards."""
+    import os
+
+    from taylor_calibrate import data
+
+    stdlib = tmp_path / "stdlib"
+    (stdlib / "json").mkdir(parents=True)
+    (stdlib / "os.py").write_text("import sys\n")
+    (stdlib / "json" / "__init__.py").write_text("def dumps(x):\n    return x\n")
+    monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib)})
+    stamp = data.corpus_stamp("builtin")
+    assert stamp["files"] == 2 and stamp["path"] == f"builtin of {stdlib}"
+    entry = data.cache_entry(CorpusSpec(source="builtin", token_cache=str(tmp_path / "cache")), word_tokenizer())
+    os.utime(stdlib / "os.py", ns=(1, 1))
+    assert data.corpus_stamp("builtin")["sha1"] != stamp["sha1"]
+    assert data.cache_entry(CorpusSpec(source="builtin", token_cache=str(tmp_path / "cache")),
+                            word_tokenizer()) != entry
+
+
+def test_two_processes_asking_at_once_tokenise_once(tmp_path, monkeypatch, caplog):
+    """Two callers of one cache entry at the same time: the first tokenises under the entry's lock, the second
+    waits for it and reads what it wrote."""
+    import threading
+
+    from taylor_calibrate.data import cached_tokens
+
+    runs = _counting_tokenizer(monkeypatch)
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    for doc_id, text in word_docs(40):
+        (corpus / doc_id).write_text(text)
+    spec = CorpusSpec(source=str(corpus), token_cache=str(tmp_path / "cache"))
+    started, go = threading.Event(), threading.Event()
+
+    class Held:  # word_tokenizer, holding the first caller inside its tokenisation until told to go on
+        def __init__(self):
+            self.tok = word_tokenizer()
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def __len__(self):
+            return len(self.tok)
+
+        def __call__(self, texts, **k):
+            if isinstance(texts, list):  # write_tokens' batches (the fingerprint's probe is one string)
+                started.set()
+                assert go.wait(60)
+            return self.tok(texts, **k)
+
+    got = {}
+    first = threading.Thread(target=lambda: got.setdefault("first", cached_tokens(spec, Held())))
+    second = threading.Thread(target=lambda: got.setdefault("second", cached_tokens(spec, word_tokenizer())))
+    with caplog.at_level("INFO", logger="taylor_calibrate.data"):
+        first.start()
+        assert started.wait(60)
+        second.start()
+        for _ in range(600):  # until the second caller waits on the lock
+            if "waiting for another process" in caplog.text:
+                break
+            threading.Event().wait(0.1)
+        go.set()
+        first.join(60)
+        second.join(60)
+    assert "waiting for another process" in caplog.text
+    assert got["first"] == got["second"] and len(runs) == 1
 
 
 def test_repeat_spans_copy_earlier_text_later_deterministically():

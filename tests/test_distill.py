@@ -216,6 +216,8 @@ def test_torchrun_two_processes_follow_one(assets, parallel):
     (["--train.train", "everything"], "train='everything'"),
     (["--train.kl_weight", "0"], "not all 0"),
     (["--train.far_weight", "-1"], "far_weight=-1"),
+    (["--train.head", "full"], "head='full'"),
+    (["--train.kl_chunk", "0"], "kl_chunk=0"),
 ])
 def test_bad_options_are_clear_errors(assets, more, match, capsys, tmp_path):
     root, _, corpus = assets

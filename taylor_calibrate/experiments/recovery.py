@@ -352,7 +352,7 @@ def run_recovery(args: RecoveryArgs) -> dict:
     model, tokenizer = teacher.model, teacher.tokenizer
     n = model.config.num_hidden_layers
     d = args.data
-    train_rows, heldout = distill_data(d, tokenizer, out / "tokens", args.train.tokens, main=ctx.main,
+    train_rows, heldout = distill_data(d, tokenizer, args.train.tokens, main=ctx.main,
                                        barrier=dist.barrier if ctx.world > 1 else None)
     splits = TokenSplits(calib=train_rows.first(d.calib_seqs), heldout=heldout)  # calibration: the first windows
     policies = list(dict.fromkeys(p for p, _ in runs))

@@ -8,7 +8,6 @@ tradeoff.json after every row (a killed run keeps what it measured), then tradeo
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import shlex
 import time
@@ -56,9 +55,7 @@ def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str
     d.train.tokens = args.distill_tokens
     out = Path(args.out)
     work = out / f"e2e_{row['policy']}_{row['kv_budget']}_{row['seed']}_{tag}"
-    corpus = json.dumps([d.data.source, d.data.text_field, d.data.split, d.data.heldout_fraction])
-    shards = out / f"tokens_{hashlib.sha1(corpus.encode()).hexdigest()[:8]}"  # one per corpus
-    rows, heldout = distill_data(d.data, teacher.tokenizer, shards, d.train.tokens)
+    rows, heldout = distill_data(d.data, teacher.tokenizer, d.train.tokens)  # one tokenisation per corpus (the cache)
     dtype = next(hybrid.parameters()).dtype
     student = hybrid.float()  # fp32 master weights, as distill wants
     student.set_backend(training_backend(resolve_backend(d.backend), d.backend, True))
