@@ -15,6 +15,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 import taylor_calibrate  # noqa: F401,E402  (registers the hybrid with the Auto* factories)
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # workers share the cores: torch's threads split them
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 
