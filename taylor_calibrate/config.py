@@ -118,10 +118,6 @@ class AlignArgs:
     back (sink excluded), averaged over the heads that become GDN, rescaled to mean 1 (`stats.far_weights`): the fit
     leans toward where the teacher reaches far back, which is what retrieval needs. 0: off (docs/decisions.md,
     "far-reaching positions in the loss")."""
-    output_norm: bool = True
-    """Where the teacher normalises its attention output before the residual add (Gemma 2/3), weight each position's
-    loss by 1 / the teacher output's mean square there, rescaled to mean 1 (`stats.output_norm_weights`): the loss
-    then counts errors as the norm sees them. No effect on other teachers."""
     layer_group: int | None = None
     """Layers trained together in one stacked forward/backward (None: all; fewer bounds activation memory). The
     result does not depend on it."""

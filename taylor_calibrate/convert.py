@@ -32,8 +32,8 @@ from taylor_calibrate.policy import (ON_HYBRIDS, RETRIEVAL, SCORED, causal_score
                                      layer_scores)
 from taylor_calibrate.results import record
 from taylor_calibrate.retrieval import answer_scores, calibration_probes, fitting_probes, selection_lengths
-from taylor_calibrate.stats import (attention_targets, collect_stats, knockout_drops, position_weights,
-                                   retrieval_heads, store_device_for)
+from taylor_calibrate.stats import (attention_targets, collect_stats, far_weights, knockout_drops, retrieval_heads,
+                                   store_device_for)
 from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, Teacher, gguf_tokenizer_metadata, load_teacher,
                                       resolve_device, resolve_dtype, teacher_gguf_path, teacher_ref)
 
@@ -238,15 +238,15 @@ def choose_on_hybrids(args: ConvertArgs, teacher: Teacher, mixers: dict, splits:
 
 def phase2(args: ConvertArgs, teacher: Teacher, stats, mixers: dict, headwise: dict, backend: str) -> dict | None:
     """Per-layer alignment of the mixers to the teacher's attention output, positions weighted by how far back the
-    teacher reaches (--phase2.far_weight) and, where the teacher normalises that output, as its norm sees them
-    (--phase2.output_norm)."""
+    teacher reaches (--phase2.far_weight)."""
     if not args.align:
         return None
     layers = list(mixers)
     for m in mixers.values():
         m.backend = backend
     targets = attention_targets(teacher.model, stats, layers, release=True, kept_groups=headwise)
-    weights = position_weights(teacher.model, stats, targets, args.phase2, headwise)
+    weights = far_weights(teacher.model, stats, layers, args.phase2.far_weight, headwise) \
+        if args.phase2.far_weight else None
     return align_layers(mixers, {i: stats.inputs[i] for i in layers}, targets, args.phase2, weights=weights)
 
 

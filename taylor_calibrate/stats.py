@@ -351,47 +351,6 @@ def far_weights(teacher, stats: TeacherStats, layers, far_weight: float,
     return out
 
 
-def normalises_attention_output(layer) -> bool:
-    """Whether a decoder layer normalises its attention output before adding it to the residual stream: Gemma 2/3's
-    sandwich norms (`post_attention_layernorm` on the attention output, `pre_feedforward_layernorm` before the MLP;
-    in Llama-style layers `post_attention_layernorm` is the MLP's input norm)."""
-    return hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_attention_layernorm")
-
-
-def output_norm_weights(teacher, targets: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Position weights (N, T) for the layers whose attention output is normalised before the residual add: 1 / the
-    target's mean square there (what the norm divides by), scaled to mean 1 over positions 1..T-1. The norm gives
-    every position the same scale, so an error where the attention output is small moves the residual stream as
-    much as the same relative error where it is large; an unweighted MSE would leave those positions to chance."""
-    out = {}
-    for i, y in targets.items():
-        if normalises_attention_output(teacher.model.layers[i]):
-            ms = y.float().pow(2).mean(-1)
-            w = 1 / (ms + 1e-6 * ms[:, 1:].mean())
-            w = w / w[:, 1:].mean()
-            w[:, 0] = 1.0
-            out[i] = w
-    return out
-
-
-def position_weights(teacher, stats: TeacherStats, targets: dict[int, torch.Tensor], args,
-                     kept_groups: dict[int, list[int]] | None = None) -> dict[int, torch.Tensor] | None:
-    """Phase 2's position weights per layer: far_weights (`args.far_weight`) times output_norm_weights
-    (`args.output_norm`), each scaled to mean 1; None when neither applies to any layer."""
-    layers = list(targets)
-    far = far_weights(teacher, stats, layers, args.far_weight, kept_groups) if args.far_weight else {}
-    norm = output_norm_weights(teacher, targets) if args.output_norm else {}
-    if not norm:
-        return far or None
-    out = {}
-    for i in layers:
-        w = far.get(i, 1.0) * norm.get(i, torch.ones_like(targets[i][..., 0], dtype=torch.float32))
-        w = w / w[:, 1:].mean()
-        w[:, 0] = 1.0
-        out[i] = w
-    return out
-
-
 def store_device_for(model, rows: int, seq: int, layers, device: torch.device) -> torch.device:
     """Where the calibration rows' per-layer tensors live: on the GPU when inputs, head outputs and phase-2 targets
     of every stored layer take at most half of its free memory, else in host memory (phase 2 moves one batch at a

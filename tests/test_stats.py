@@ -10,7 +10,7 @@ from conftest import ARCHS, one_thread, tiny_teacher
 
 from taylor_calibrate.stats import attention_targets
 from taylor_calibrate.ops.attention_stats_torch import OUTPUTS, band_probs
-from taylor_calibrate.stats import BAND, attention_stats, attention_stats_naive, collect_stats, far_weights
+from taylor_calibrate.stats import BAND, attention_stats, attention_stats_naive, collect_stats
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -400,36 +400,6 @@ def test_batching_does_not_change_the_statistics():
             torch.testing.assert_close(getattr(a.layers[i], name), getattr(b.layers[i], name), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(a.head_outputs[2], b.head_outputs[2], rtol=1e-4, atol=1e-6)
     assert not math.isnan(a.layers[0].distance_nosink.sum().item())
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_output_norm_weights_only_where_the_attention_output_is_normalised(arch):
-    """Gemma 3 normalises each position's attention output before the residual add: phase 2 weighs a position by
-    1 / its target's mean square (mean 1 over positions 1..T-1, the sink left to sink_weight); other teachers get
-    no weights from it, so their far weights pass through untouched."""
-    from types import SimpleNamespace
-
-    from taylor_calibrate.stats import normalises_attention_output, position_weights
-
-    teacher = tiny_teacher(arch)
-    with one_thread():
-        stats = collect_stats(teacher, torch.randint(0, 97, (2, 24)), store_layers=[1, 2], store_far=True)
-    targets = attention_targets(teacher, stats, [1, 2])
-    off = SimpleNamespace(far_weight=0.0, output_norm=True)
-    weights = position_weights(teacher, stats, targets, off)
-    assert normalises_attention_output(teacher.model.layers[1]) == (arch == "gemma3_text")
-    if arch != "gemma3_text":
-        assert weights is None
-        far = SimpleNamespace(far_weight=4.0, output_norm=True)
-        assert all(torch.equal(a, b) for a, b in zip(position_weights(teacher, stats, targets, far).values(),
-                                                     far_weights(teacher, stats, [1, 2], 4.0).values()))
-        return
-    for i, w in weights.items():
-        ms = targets[i].float().pow(2).mean(-1)
-        assert w.shape == ms.shape and torch.allclose(w[:, 1:].mean(), torch.tensor(1.0))
-        assert (w[:, 0] == 1).all()
-        assert torch.corrcoef(torch.stack([w[:, 1:].flatten(), 1 / ms[:, 1:].flatten()]))[0, 1] > 0.99
-    assert position_weights(teacher, stats, targets, SimpleNamespace(far_weight=0.0, output_norm=False)) is None
 
 
 def test_knockouts_block_only_the_needle_of_the_chosen_heads():

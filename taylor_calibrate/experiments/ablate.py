@@ -26,7 +26,7 @@ from taylor_calibrate.results import record
 from taylor_calibrate.model.hybrid import swapped_into
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import RETRIEVAL, gdn_layers, kept_layers, layer_scores
-from taylor_calibrate.stats import TeacherStats, attention_targets, collect_stats, position_weights
+from taylor_calibrate.stats import TeacherStats, attention_targets, collect_stats, far_weights
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 
@@ -64,7 +64,7 @@ class TeacherPass:
         """Phase 2 on `mixers` (in place), from the stored teacher inputs (or `inputs`) to the teacher's targets; with
         `args.far_weight`, positions weighted as convert weighs them (the pass must have run with `store_far`)."""
         inputs = {i: self.stats.inputs[i] for i in mixers} if inputs is None else inputs
-        weights = position_weights(self.model, self.stats, {i: self.targets[i] for i in mixers}, args)
+        weights = far_weights(self.model, self.stats, mixers, args.far_weight) if args.far_weight else None
         return align_layers(mixers, inputs, {i: self.targets[i] for i in mixers}, args, weights=weights)
 
     def perplexity(self, mixers: dict, heldout: Tensor, batch_size: int = 4, desc: str = "eval") -> float:
