@@ -451,7 +451,7 @@ def run_identity(student, trained: set[str], teacher: str | None, args: TrainArg
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     shaping = {k: v for k, v in asdict(args).items()
                if k not in ("eval_every", "save_every", "log_every", "compile", "parallel", "peak_tflops",
-                            "micro_batch_size")}
+                            "micro_batch_size", "head", "kl_chunk")}  # how the loss is computed, not what
 
     def where(spec):  # a local path compares by where it is, however it was spelled
         return str(Path(spec).resolve()) if isinstance(spec, str) and os.path.exists(spec) else spec
