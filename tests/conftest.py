@@ -1,6 +1,9 @@
 """Shared fixtures: tiny random teachers of every supported architecture, on the CPU."""
+import atexit
 import contextlib
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -17,6 +20,12 @@ import taylor_calibrate  # noqa: F401,E402  (registers the hybrid with the Auto*
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # workers share the cores: torch's threads split them
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+# The session's token cache (`data.cached_tokens`), never the user's ~/.cache: set before any test module builds the
+# environment of the CLI processes it starts, removed at exit.
+_TOKEN_CACHE = tempfile.mkdtemp(prefix="tc-token-cache-")
+os.environ["TAYLOR_CALIBRATE_TOKEN_CACHE"] = _TOKEN_CACHE
+atexit.register(shutil.rmtree, _TOKEN_CACHE, True)
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
@@ -46,14 +55,6 @@ def tiny_teacher(arch: str, seed: int = 0, **over):
                 for p in (layer.self_attn.q_proj.bias, layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias):
                     p.normal_(0, 0.1)
     return model.eval()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def token_cache(tmp_path_factory):
-    """The token cache of the session (`data.cached_tokens`), never the user's ~/.cache; subprocesses inherit it."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TAYLOR_CALIBRATE_TOKEN_CACHE", str(tmp_path_factory.mktemp("token_cache")))
-        yield
 
 
 @pytest.fixture(params=ARCHS)

@@ -12,7 +12,7 @@ from taylor_calibrate.cli import main
 from taylor_calibrate.teacher import embedded_teacher_path
 
 SMALL = ["--data.seq_len", "128", "--data.calib_seqs", "2", "--data.eval_seqs", "4", "--probe_samples", "1",
-         "--device", "cpu"]
+         "--device", "cpu", "--phase2.steps", "20"]
 
 try:
     embedded_teacher_path()
@@ -35,7 +35,7 @@ def test_convert_report(converted):
     for key in ("teacher", "init", "policy", "layer_types", "teacher_ppl", "hybrid_ppl", "wall_s",
                 "commit", "dirty", "command", "args", "env"):  # the results recorder's provenance
         assert key in report
-    assert report["args"]["data"]["calib_seqs"] == 2 and report["args"]["phase2"]["steps"] == 100  # profile-filled
+    assert report["args"]["data"]["calib_seqs"] == 2 and report["args"]["phase2"]["batch_size"] == 2  # profile-filled
     assert report["policy"] == "heads" and report["policy_auto"]  # the default: the teacher's retrieval heads
     kv = 30 * 3  # SmolLM2: 30 layers x 3 KV groups; --keep_every 4 keeps ceil(kv / 4) groups
     kept = 3 * len(report["kept_layers"]) + sum(map(len, report["headwise_kept_groups"].values()))
