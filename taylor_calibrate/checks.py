@@ -9,11 +9,14 @@ import contextlib
 import errno
 import functools
 import json
+import logging
 import os
 import socket
 import tempfile
 import time
 from pathlib import Path
+
+log = logging.getLogger("taylor_calibrate")
 
 # How an earlier output of each command is recognised: a file it writes (with a key of its own when several
 # commands write a file of that name). A non-empty --out that is none of these needs --overwrite.
@@ -224,6 +227,39 @@ def check_same_vocab(teacher_spec: str, teacher_model, teacher_tokenizer, model,
         why = f"vocab_size {sizes[0]} vs {sizes[1]}" if sizes[0] != sizes[1] else "other tokens at the same ids"
         raise ValueError(f"teacher {teacher_spec!r} does not share the {who}'s vocabulary ({why}), so their token ids "
                          f"cannot be compared; pass the teacher it was converted from ({origin})")
+
+
+def check_teacher_origin(student: str, recorded: str | None, teacher: str | None) -> str:
+    """The teacher `distill` trains `student` toward, checked against the one it was converted from (config.json's
+    teacher_name, and report.json's teacher_hash of its weights): a --teacher that is another model is allowed (a
+    bigger model of the same vocabulary, say) with a warning; without --teacher, a recorded teacher whose weights
+    changed since the conversion is refused, since the user asked for the original. Returns the teacher spec."""
+    from taylor_calibrate.teacher import teacher_hash, teacher_ref
+
+    spec = teacher or recorded
+    if not spec:
+        raise ValueError(f"{student} does not record its teacher; pass --teacher")
+    if not recorded:
+        return spec
+    try:
+        then = json.loads((Path(student) / "report.json").read_text()).get("teacher_hash")
+    except (OSError, ValueError, AttributeError):
+        then = None  # no report (a distilled model/ directory) or a damaged one, which the loader has refused
+    now = teacher_hash(spec) if then else None
+    same_place = teacher_ref(spec) == teacher_ref(recorded)
+    if then and now:
+        same = then == now
+    else:  # a hub id or an older conversion without the hash: where it is is all there is to compare
+        same = same_place
+    if same:
+        return spec
+    if teacher is None:
+        raise ValueError(f"the teacher {recorded} that {student} records is no longer the model it was converted "
+                         f"from: its weights changed since (teacher_hash {then} then, {now} now); restore it, or pass "
+                         f"--teacher {recorded} to distil toward it as it is now")
+    log.warning("--teacher %s is not the teacher %s was converted from (%s%s): distilling toward another model",
+                teacher, student, recorded, ", whose weights changed since" if same_place else "")
+    return spec
 
 
 def check_context(seq_len: int, config, allow: bool, who: str) -> None:

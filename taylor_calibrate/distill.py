@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from taylor_calibrate.config import DistillArgs, TrainArgs, apply_profile, apply_train_profile
-from taylor_calibrate.checks import check_context, check_out, check_same_vocab, writes_out
+from taylor_calibrate.checks import check_context, check_out, check_same_vocab, check_teacher_origin, writes_out
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
@@ -50,7 +50,7 @@ from taylor_calibrate.model.hybrid_config import MIXER_TYPE
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.stats import FarMass, observing
-from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype, teacher_ref
+from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype, teacher_hash
 from taylor_calibrate.training import Clock, autocast, warmup_cosine
 
 log = logging.getLogger("taylor_calibrate")
@@ -295,8 +295,9 @@ def save_checkpoint(out: Path, step: int, model, opt, ctx: Dist, extra: dict) ->
 
 def run_identity(student, trained: set[str], teacher: str | None, args: TrainArgs, data: dict | None = None) -> dict:
     """What makes two runs the same run: the student's initial weights (sha256 over every tensor's name, dtype and
-    shape and the bytes of the trained ones; the frozen rest is the teacher's), the teacher, the arguments that shape
-    training (not how often it logs, saves or evaluates) and the data."""
+    shape and the bytes of the trained ones; the frozen rest is the teacher's), the teacher (where it is and, when
+    local, its `teacher_hash`), the arguments that shape training (not how often it logs, saves or evaluates) and the
+    data."""
     h = hashlib.sha256()
     for name, t in sorted(student.state_dict().items()):
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
@@ -311,7 +312,12 @@ def run_identity(student, trained: set[str], teacher: str | None, args: TrainArg
 
     data = {k: where(v) for k, v in (data or {}).items()}
     ident = {"student_sha256": h.hexdigest(), "teacher": where(teacher), "train": shaping, "data": data}
+    if isinstance(teacher, str) and teacher_hash(teacher):  # a teacher replaced at the same path is another run
+        ident["teacher_hash"] = teacher_hash(teacher)
     return json.loads(json.dumps(ident, default=str))  # as it reads back from state.json
+
+
+_ADDED_LATER = ("teacher_hash",)  # identity keys checkpoints of older versions lack: not a difference
 
 
 def identity_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -319,11 +325,15 @@ def identity_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     diffs = []
     for k in sorted(set(old) | set(new)):
         a, b = old.get(k), new.get(k)
+        if k in _ADDED_LATER and k not in old:
+            continue
         if isinstance(a, dict) and isinstance(b, dict):
             diffs += identity_diff(a, b, f"{prefix}{k}.")
         elif a != b:
             if k == "student_sha256":
                 diffs.append("the student's initial weights (another --student, or it changed)")
+            elif k == "teacher_hash":
+                diffs.append(f"the teacher's weights ({a} then, {b} now: the model at that path changed)")
             else:
                 diffs.append(f"{prefix}{k}: {a!r} then, {b!r} now")
     return diffs
@@ -643,14 +653,8 @@ def run_distill(args: DistillArgs) -> dict:
     if not hasattr(student, "set_backend"):
         raise ValueError(f"{args.student} is not a converted hybrid (no GDN layers); run `convert` first")
     student.set_backend(backend)
-    teacher_spec = args.teacher or student.config.teacher_name
-    if not teacher_spec:
-        raise ValueError(f"{args.student} does not record its teacher; pass --teacher")
+    teacher_spec = check_teacher_origin(args.student, student.config.teacher_name, args.teacher)
     check_out(args.out, "distill", overwrite=args.overwrite, inputs={"the student's teacher": teacher_spec})
-    if args.teacher and student.config.teacher_name and teacher_ref(args.teacher) != teacher_ref(
-            student.config.teacher_name):
-        log.warning("--teacher %s is not the teacher %s was converted from (%s): distilling toward another model",
-                    args.teacher, args.student, student.config.teacher_name)
     if tokenizer is None:
         raise FileNotFoundError(f"{args.student} has no tokenizer files; save one beside the model")
     check_context(args.data.seq_len, student.config, args.data.beyond_context, "student")

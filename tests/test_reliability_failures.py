@@ -169,6 +169,40 @@ def test_convert_records_the_teacher_path_absolute(fw):
     assert json.loads((hybrid / "config.json").read_text())["teacher_name"] == str(teacher.resolve())
 
 
+def test_distill_checks_its_teacher_against_the_one_converted_from(fw, caplog):
+    """convert records a hash of the teacher's weights; distill warns toward another --teacher (allowed: a model of
+    the same vocabulary), not toward a copy of the same one, and refuses the recorded teacher once the model at that
+    path changed; a resume toward it names the change."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from taylor_calibrate.distill import identity_diff, run_identity
+    from taylor_calibrate.config import TrainArgs
+    from taylor_calibrate.teacher import teacher_hash
+
+    root, teacher, corpus, hybrid = fw
+    recorded = json.loads((hybrid / "report.json").read_text())["teacher_hash"]
+    assert recorded == teacher_hash(str(teacher)) and recorded.startswith("sha256:")
+    moved = _copy(teacher, root / "teacher_moved")
+    student = _copy(hybrid, root / "student_of_moved")
+    cfg = json.loads((student / "config.json").read_text())
+    (student / "config.json").write_text(json.dumps({**cfg, "teacher_name": str(moved)}))
+    # --data.seq_len past the context: each run stops right after the teacher check, before any work
+    distill = ["distill", "--student", student, "--data.source", corpus, "--device", "cpu", "--data.seq_len", "4096"]
+    fails(main(*distill, "--out", root / "d_same", "--teacher", teacher), "longer than the student's context")
+    assert "not the teacher" not in caplog.text  # a copy of the same weights is the same teacher
+    identity = run_identity(torch.nn.Linear(1, 1), set(), str(moved), TrainArgs())
+    weights = load_file(str(moved / "model.safetensors"))
+    save_file({k: v + 0.01 for k, v in weights.items()}, str(moved / "model.safetensors"), metadata={"format": "pt"})
+    fails(main(*distill, "--out", root / "d_changed"), "is no longer the model it was converted from",
+          "its weights changed since", f"pass --teacher {moved}")
+    fails(main(*distill, "--out", root / "d_explicit", "--teacher", moved), "longer than the student's context")
+    assert f"--teacher {moved} is not the teacher" in caplog.text and "whose weights changed since" in caplog.text
+    diffs = identity_diff(identity, run_identity(torch.nn.Linear(1, 1), set(), str(moved), TrainArgs()))
+    assert diffs and "the teacher's weights" in diffs[0]
+    assert not (root / "d_changed").exists()
+
+
 def test_tokenize_again_after_the_corpus_changed_rebuilds(fw):
     root, teacher, corpus, hybrid = fw
     c = _copy(corpus, root / "corpus_changing")
