@@ -94,13 +94,16 @@ def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs:
     if not existing.is_dir():
         where = "is an existing file" if existing == path else f"lies under {existing}, which is a file"
         raise NotADirectoryError(f"{flag} {out} {where}; pass a directory path")
-    try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".taylor-calibrate-write-test-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise PermissionError(f"{flag} {out}: cannot write in {existing} ({e.strerror or e}); pass a writable "
-                              "location") from None
+    beside = next((p for p in path.parents if p.exists()), existing)  # the lock and staged outputs go here
+    for where in dict.fromkeys([existing, beside]):
+        try:
+            fd, probe = tempfile.mkstemp(dir=where, prefix=".taylor-calibrate-write-test-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            role = "" if where == existing else f", where the run keeps its lock and stages its output beside {path}"
+            raise PermissionError(f"{flag} {out}: cannot write in {where} ({e.strerror or e}){role}; pass a writable "
+                                  f"location (or make {where} writable)") from None
     if lock is not None:
         lock.enter_context(output_lock(path, command, flag))
     if path.is_dir() and any(path.iterdir()) and not overwrite and not is_output_of(path, command):

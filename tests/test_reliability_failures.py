@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -238,3 +239,52 @@ def test_export_of_a_headwise_hybrid_is_refused(tmp_path):
     out = tmp_path / "exported"
     fails(main("export", "--model", hybrid, "--out", out), "is a head-wise hybrid", "--target qwen3_5")
     assert not out.exists() and tree(hybrid) == before
+
+
+def _unprivileged() -> list[str] | None:
+    """The command prefix that runs a process as a user whom permission bits stop: none needed for a user, setpriv
+    to nobody for root (who writes through them); None when there is no setpriv."""
+    if os.geteuid() != 0:
+        return []
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if shutil.which("setpriv") else None
+
+
+PERMISSION_RUNS = """
+import sys
+from taylor_calibrate.cli import main
+for argv in sys.argv[1:]:
+    print("=== rc", main(argv.split("|")), file=sys.stderr, flush=True)
+"""
+
+
+def test_an_out_that_cannot_be_written_is_one_line_naming_the_place_and_the_fix():
+    """As a user (not root): an --out whose parent is not writable, and a writable --out inside a directory that is
+    not (the lock and staged outputs go beside --out), both fail at once with exit 2, one line naming the directory
+    and the fix, no traceback, nothing written."""
+    prefix = _unprivileged()
+    if prefix is None:
+        pytest.skip("running as root without `setpriv` to drop to an unprivileged user")
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="taylor-calibrate-perm-"))  # outside pytest's root-only tmp directory
+    try:
+        (base / "ro" / "out_kept").mkdir(parents=True)
+        (base / "ro" / "out_kept").chmod(0o777)
+        for d in (base, base / "ro"):
+            d.chmod(0o555 if d.name == "ro" else 0o755)
+        before = sorted(p.name for p in (base / "ro").rglob("*"))
+        runs = [f"convert|--out|{base / 'ro' / 'new'}", f"tokenize|--out|{base / 'ro' / 'out_kept'}"]
+        r = subprocess.run([*prefix, sys.executable, "-c", PERMISSION_RUNS, *runs], capture_output=True, text=True,
+                           timeout=300, env={**ENV, "HOME": str(base)}, cwd=base)
+        out = r.stdout + r.stderr
+        if prefix and "=== rc" not in out:  # nobody cannot run this interpreter or read the package
+            pytest.skip(f"the CLI does not start as an unprivileged user here: {out.strip()[-300:]}")
+        assert "Traceback" not in out and out.count("=== rc 2") == 2, out[-3000:]
+        errors = [line for line in out.splitlines() if " error: " in line]
+        assert len(errors) == 2, out[-3000:]
+        assert f"cannot write in {base / 'ro'} (Permission denied)" in errors[0] and "pass a writable" in errors[0]
+        assert f"cannot write in {base / 'ro'} (Permission denied), where the run keeps its lock" in errors[1]
+        assert sorted(p.name for p in (base / "ro").rglob("*")) == before
+    finally:
+        (base / "ro").chmod(0o755)
+        shutil.rmtree(base, ignore_errors=True)
