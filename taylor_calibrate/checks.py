@@ -244,6 +244,9 @@ def check_teacher_origin(student: str, recorded: str | None, teacher: str | None
         raise ValueError(f"{student} does not record its teacher; pass --teacher")
     if not recorded:
         return spec
+    if teacher is None and recorded.startswith("/") and not os.path.exists(recorded):  # recorded absolute: a path
+        raise FileNotFoundError(f"the teacher {recorded} that {student} records does not exist any more (moved or "
+                                "deleted); pass --teacher with where it is now")
     try:
         then = json.loads((Path(student) / "report.json").read_text()).get("teacher_hash")
     except (OSError, ValueError, AttributeError):
@@ -263,6 +266,17 @@ def check_teacher_origin(student: str, recorded: str | None, teacher: str | None
     log.warning("--teacher %s is not the teacher %s was converted from (%s%s): distilling toward another model",
                 teacher, student, recorded, ", whose weights changed since" if same_place else "")
     return spec
+
+
+def check_same_layers(teacher_spec: str, teacher_config, student_config, hidden_weight: float) -> None:
+    """--train.hidden_weight compares every layer's output with the teacher's: both need as many layers, as wide
+    (zip would silently pair the first layers of a deeper teacher)."""
+    t, s = teacher_config.get_text_config(), student_config
+    if hidden_weight and (t.num_hidden_layers, t.hidden_size) != (s.num_hidden_layers, s.hidden_size):
+        raise ValueError(f"--train.hidden_weight compares each layer's output with the teacher's, but teacher "
+                         f"{teacher_spec!r} has {t.num_hidden_layers} layers of width {t.hidden_size} and the student "
+                         f"{s.num_hidden_layers} of width {s.hidden_size}; pass the teacher it was converted from, or "
+                         "--train.hidden_weight 0")
 
 
 def check_context(seq_len: int, config, allow: bool, who: str) -> None:

@@ -42,7 +42,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from taylor_calibrate.config import DistillArgs, TrainArgs, apply_profile, apply_train_profile
-from taylor_calibrate.checks import check_context, check_out, check_same_vocab, check_teacher_origin, writes_out
+from taylor_calibrate.checks import (check_context, check_out, check_same_layers, check_same_vocab,
+                                    check_teacher_origin, writes_out)
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
@@ -654,13 +655,14 @@ def run_distill(args: DistillArgs) -> dict:
         raise ValueError(f"{args.student} is not a converted hybrid (no GDN layers); run `convert` first")
     student.set_backend(backend)
     teacher_spec = check_teacher_origin(args.student, student.config.teacher_name, args.teacher)
-    check_out(args.out, "distill", overwrite=args.overwrite, inputs={"the student's teacher": teacher_spec})
+    check_out(args.out, "distill", overwrite=args.overwrite, inputs={"student's teacher": teacher_spec})
     if tokenizer is None:
         raise FileNotFoundError(f"{args.student} has no tokenizer files; save one beside the model")
     check_context(args.data.seq_len, student.config, args.data.beyond_context, "student")
     loaded = load_teacher(teacher_spec, device, dtype)
     check_same_vocab(teacher_spec, loaded.model, loaded.tokenizer, student, tokenizer,
                      student.config.teacher_name or "see its report.json", who="student")
+    check_same_layers(teacher_spec, loaded.model.config, student.config, args.train.hidden_weight)
     teacher = loaded.model
     out = Path(args.out)
     train_rows, heldout = distill_data(args.data, tokenizer, out / "tokens", args.train.tokens, main=ctx.main,

@@ -120,6 +120,9 @@ def check_teacher_dir(path: Path) -> None:
     config = path / "config.json"
     if not config.exists():
         raise FileNotFoundError(f"teacher directory {str(path)!r} has no config.json; pass an HF checkpoint directory")
+    if not config.is_file():  # a pipe would block the reader for ever
+        raise ValueError(f"teacher config {config} is not a regular file (a pipe, socket or device); restore it from "
+                         "the original checkpoint")
     try:
         json.loads(config.read_text())
     except (ValueError, UnicodeDecodeError) as e:
@@ -135,6 +138,9 @@ def _locate(spec: str) -> tuple[str, dict]:
         return str(path.parent), {"gguf_file": path.name}
     if spec.endswith(".gguf"):
         path = Path(spec)
+        if path.exists() and not path.is_file():
+            raise ValueError(f"teacher GGUF file {spec!r} is not a regular file (a directory, pipe or device); pass "
+                             "the .gguf file itself")
         if not path.is_file():
             raise FileNotFoundError(f"teacher GGUF file {spec!r} does not exist")
         return str(path.parent), {"gguf_file": path.name}

@@ -112,6 +112,39 @@ def test_a_config_that_lost_its_gdn_options_is_refused(fw):
     fails(main("eval", "--model", m, "--data.source", corpus, *EVAL), "gdn option", "convert again")
 
 
+def _set(key, value):
+    return lambda cfg: cfg.update({key: value})
+
+
+CONFIG_DAMAGE = {  # config.json / other JSON files of a hybrid, valid JSON of the wrong shape -> what the error names
+    "gdn_layers": (_set("gdn_layers", "x"), r"config\.json is not a hybrid config .*sets \['gdn_layers'\]"),
+    "layer_types_null": (_set("layer_types", None), r"config\.json .*layer_types is not a list of layer kinds"),
+    "layer_types_short": (lambda c: c.update(layer_types=c["layer_types"][:2]), r"layer_types lists 2 layers where "
+                          r"base_config\.num_hidden_layers is 4"),
+    "base_layers": (lambda c: c["base_config"].update(num_hidden_layers=3), "layer_types lists 4 layers where"),
+    "teacher_name": (_set("teacher_name", 5), "teacher_name is of type int, not str"),
+    "gdn_list": (_set("gdn", [1, 2]), r"gdn \(the mixer's options\) is of type list"),
+    "generation_config": ("generation_config.json", r"generation_config\.json is not a JSON object"),
+    "tokenizer_config": ("tokenizer_config.json", r"tokenizer_config\.json is not a JSON object"),
+    "tokenizer_json": ("tokenizer.json", r"could not load the tokenizer in .*its tokenizer files are damaged"),
+}
+
+
+@pytest.mark.parametrize("damage", CONFIG_DAMAGE)
+def test_a_hybrid_config_of_the_wrong_shape_is_named(fw, damage):
+    """Each would otherwise load another model than the one saved, or fail deep in transformers with a traceback."""
+    root, teacher, corpus, hybrid = fw
+    edit, pattern = CONFIG_DAMAGE[damage]
+    m = _copy(hybrid, root / f"cfg_{damage}")
+    if callable(edit):
+        cfg = json.loads((m / "config.json").read_text())
+        edit(cfg)
+        (m / "config.json").write_text(json.dumps(cfg))
+    else:
+        (m / edit).write_text('{"model": 5}' if edit == "tokenizer.json" else "[]")
+    fails(main("eval", "--model", m, "--data.source", corpus, *EVAL), pattern)
+
+
 @pytest.mark.parametrize("damage", ["shape", "truncated", "beyond_vocab"])
 def test_damaged_token_shards_are_named(fw, damage):
     root, teacher, corpus, hybrid = fw
