@@ -189,11 +189,19 @@ def output_lock(path: str | Path, command: str = "", flag: str = "--out"):
         if same:
             break
         f.close()
-    f.seek(0)
-    f.truncate()
-    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-                        "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+                            "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+        f.flush()
+    except OSError as e:  # a full disk: no lock file left behind
+        with contextlib.suppress(OSError):
+            lf.unlink()
+        with contextlib.suppress(OSError):
+            f.close()
+        raise OSError(f"could not write the lock file {lf} of {flag} {path} ({e.strerror or e}); free space or fix "
+                      f"the permissions there, or pass another {flag}") from None
     _HELD[lf] = [f, 0]
     try:
         yield
@@ -206,7 +214,8 @@ def output_lock(path: str | Path, command: str = "", flag: str = "--out"):
 
 def writes_out(command: str, out_of=lambda args: args.out, nested_ok: tuple[str, ...] = ()):
     """Decorator of a command's run_* function: before it runs, check its --out against its inputs (--teacher,
-    --student, --model, --data.source: `check_out`) and take the lock of --out, held until it returns or raises."""
+    --student, --model, --data.source: `check_out`) and take the lock of --out, held until it returns or raises; a
+    run that fails removes the --out it created if it left it empty."""
     def wrap(fn):
         @functools.wraps(fn)
         def run(args):
@@ -214,9 +223,16 @@ def writes_out(command: str, out_of=lambda args: args.out, nested_ok: tuple[str,
             data = getattr(args, "data", None)
             inputs["--data.source"] = getattr(data, "source", None)
             with contextlib.ExitStack() as stack:
-                check_out(str(out_of(args)), command, overwrite=getattr(args, "overwrite", None), inputs=inputs,
-                          nested_ok=nested_ok, lock=stack)
-                return fn(args)
+                path = check_out(str(out_of(args)), command, overwrite=getattr(args, "overwrite", None),
+                                 inputs=inputs, nested_ok=nested_ok, lock=stack)
+                existed = path.exists()
+                try:
+                    return fn(args)
+                except BaseException:
+                    if not existed:  # a failed run leaves no empty --out behind (rmdir takes only an empty one)
+                        with contextlib.suppress(OSError):
+                            path.rmdir()
+                    raise
         return run
     return wrap
 

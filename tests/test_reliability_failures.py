@@ -2,6 +2,7 @@
 half-written; damaged files of ours (valid JSON of the wrong shape, shards beyond the vocabulary, a config that lost
 its GDN options) are named with the fix; a teacher with another vocabulary is refused by `eval` as by `distill`;
 outputs are as readable as the umask says."""
+import contextlib
 import json
 import os
 import shutil
@@ -84,6 +85,16 @@ def test_ctrl_c_is_one_line_and_exit_130(fw):
     assert not out.exists() and not [q for q in root.iterdir() if q.name.startswith(".interrupted")]
 
 
+def test_ctrl_c_while_the_cli_is_still_importing_is_one_line():
+    """Before cli.main runs (torch and transformers take seconds to import) a Ctrl-C is one line too."""
+    p = subprocess.Popen(_cmd(["convert", "--help"]), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode in (-signal.SIGINT, 130), err[-2000:]
+    assert "Traceback" not in err and err.strip() == "taylor-calibrate: interrupted while starting; nothing was written"
+
+
 # --- damaged files of ours -------------------------------------------------------------------------------------
 def _copy(src, dst):
     shutil.rmtree(dst, ignore_errors=True)
@@ -145,15 +156,17 @@ def test_a_hybrid_config_of_the_wrong_shape_is_named(fw, damage):
     fails(main("eval", "--model", m, "--data.source", corpus, *EVAL), pattern)
 
 
-@pytest.mark.parametrize("damage", ["shape", "truncated", "beyond_vocab"])
+@pytest.mark.parametrize("damage", ["shape", "corpus_list", "truncated", "beyond_vocab"])
 def test_damaged_token_shards_are_named(fw, damage):
     root, teacher, corpus, hybrid = fw
     shards = root / "shards"
     if not shards.exists():
         succeeds(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", shards))
     d = _copy(shards, root / f"shards_{damage}")
-    if damage == "shape":
-        (d / "tokens.json").write_text('{"tokens": [1, 2]}')
+    if damage in ("shape", "corpus_list"):
+        meta = json.loads((d / "tokens.json").read_text())
+        (d / "tokens.json").write_text(json.dumps({**meta, "corpus": [1]} if damage == "corpus_list" else
+                                                  {"tokens": [1, 2]}))
         pattern = "is not a token-shard description"
     elif damage == "truncated":
         f = d / "calib.bin"
@@ -235,6 +248,29 @@ def test_distill_checks_its_teacher_against_the_one_converted_from(fw, caplog):
     diffs = identity_diff(identity, run_identity(torch.nn.Linear(1, 1), set(), str(moved), TrainArgs()))
     assert diffs and "the teacher's weights" in diffs[0]
     assert not (root / "d_changed").exists()
+    shutil.rmtree(moved)
+    fails(main(*distill, "--out", root / "d_gone"), f"the teacher {moved} that .* records does not exist any more",
+          "pass --teacher with where it is now")
+
+
+def test_hidden_weight_needs_a_teacher_of_the_students_depth_and_width(fw):
+    """--train.hidden_weight pairs each student layer with the teacher's: a wider or deeper teacher (same vocabulary,
+    so allowed for the KL) is refused by name, not a torch shape error or a silent pairing of the first layers."""
+    import torch
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    root, teacher, corpus, hybrid = fw
+    wide = root / "teacher_wide"
+    if not wide.exists():
+        shutil.copytree(teacher, wide)
+        torch.manual_seed(0)
+        cfg = tiny_config("llama", vocab_size=json.loads((teacher / "config.json").read_text())["vocab_size"],
+                          hidden_size=96, head_dim=24, num_hidden_layers=6)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(wide)
+    fails(main("distill", "--student", hybrid, "--teacher", wide, "--train.hidden_weight", "1", "--data.source", corpus,
+               "--device", "cpu", "--data.seq_len", "32", "--out", root / "d_wide"),
+          "has 6 layers of width 96 and the student 4 of width 64", "--train.hidden_weight 0")
 
 
 def test_tokenize_again_after_the_corpus_changed_rebuilds(fw):
@@ -290,10 +326,10 @@ for argv in sys.argv[1:]:
 """
 
 
-def test_an_out_that_cannot_be_written_is_one_line_naming_the_place_and_the_fix():
-    """As a user (not root): an --out whose parent is not writable, and a writable --out inside a directory that is
-    not (the lock and staged outputs go beside --out), both fail at once with exit 2, one line naming the directory
-    and the fix, no traceback, nothing written."""
+def test_what_cannot_be_written_or_read_is_one_line_naming_the_place_and_the_fix(fw):
+    """As a user (not root): an --out whose parent is not writable, a writable --out inside a directory that is not
+    (the lock and staged outputs go beside --out), and a teacher whose weights cannot be read: each fails with exit 2,
+    one line naming the place and the fix (not "corrupt"), no traceback, nothing written."""
     prefix = _unprivileged()
     if prefix is None:
         pytest.skip("running as root without `setpriv` to drop to an unprivileged user")
@@ -303,21 +339,72 @@ def test_an_out_that_cannot_be_written_is_one_line_naming_the_place_and_the_fix(
     try:
         (base / "ro" / "out_kept").mkdir(parents=True)
         (base / "ro" / "out_kept").chmod(0o777)
-        for d in (base, base / "ro"):
+        (base / "w").mkdir()
+        (base / "w").chmod(0o777)
+        shutil.copytree(fw[1], base / "teacher")
+        for p in (base / "teacher").iterdir():
+            p.chmod(0o000 if p.name == "model.safetensors" else 0o644)
+        for d in (base, base / "ro", base / "teacher"):
             d.chmod(0o555 if d.name == "ro" else 0o755)
         before = sorted(p.name for p in (base / "ro").rglob("*"))
-        runs = [f"convert|--out|{base / 'ro' / 'new'}", f"tokenize|--out|{base / 'ro' / 'out_kept'}"]
+        runs = [f"convert|--out|{base / 'ro' / 'new'}", f"tokenize|--out|{base / 'ro' / 'out_kept'}",
+                f"convert|--teacher|{base / 'teacher'}|--device|cpu|--out|{base / 'w' / 'o'}"]
         r = subprocess.run([*prefix, sys.executable, "-c", PERMISSION_RUNS, *runs], capture_output=True, text=True,
                            timeout=300, env={**ENV, "HOME": str(base)}, cwd=base)
         out = r.stdout + r.stderr
         if prefix and "=== rc" not in out:  # nobody cannot run this interpreter or read the package
             pytest.skip(f"the CLI does not start as an unprivileged user here: {out.strip()[-300:]}")
-        assert "Traceback" not in out and out.count("=== rc 2") == 2, out[-3000:]
+        assert "Traceback" not in out and out.count("=== rc 2") == 3, out[-3000:]
         errors = [line for line in out.splitlines() if " error: " in line]
-        assert len(errors) == 2, out[-3000:]
+        assert len(errors) == 3, out[-3000:]
         assert f"cannot write in {base / 'ro'} (Permission denied)" in errors[0] and "pass a writable" in errors[0]
         assert f"cannot write in {base / 'ro'} (Permission denied), where the run keeps its lock" in errors[1]
-        assert sorted(p.name for p in (base / "ro").rglob("*")) == before
+        assert f"cannot read {base / 'teacher' / 'model.safetensors'} (Permission denied); fix its permissions" \
+            in errors[2]
+        assert sorted(p.name for p in (base / "ro").rglob("*")) == before and not (base / "w" / "o").exists()
     finally:
         (base / "ro").chmod(0o755)
         shutil.rmtree(base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path` (root only): a disk that really fills up."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_disk_that_really_fills_up_is_one_line_and_leaves_nothing(fw, tmp_path):
+    """On a small tmpfs: the token shards and the GGUF (numpy's short writes), eval's report (a bare ENOSPC) and the
+    lock file each fail with one line saying the disk is full and the fix; nothing is left on it."""
+    from conftest import VOCAB
+    from test_export_qwen3_5 import tiny_hybrid
+
+    from taylor_calibrate.checkpoint import save_hybrid
+    from taylor_calibrate.teacher import load_tokenizer
+
+    root, teacher, corpus, hybrid = fw
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in range(20):
+        (big / f"d{i}.txt").write_text(" ".join(f"the river {i} runs under old bridges {j}." for j in range(400)))
+    _, exportable = tiny_hybrid(vocab_size=VOCAB)
+    save_hybrid(exportable, load_tokenizer(str(hybrid)), tmp_path / "exportable")
+    cases = [("64k", 0, ["tokenize", "--model", hybrid, "--data.source", big, "--out"]),
+             ("64k", 0, ["export", "--model", tmp_path / "exportable", "--format", "gguf", "--out"]),
+             ("8k", 4096, ["eval", "--model", hybrid, "--data.source", corpus, *EVAL, "--out"]),
+             ("4k", 4096, ["eval", "--model", hybrid, "--data.source", corpus, *EVAL, "--out"])]
+    for size, pad, argv in cases:
+        with _tmpfs(tmp_path / "disk", size) as disk:
+            (disk / "pad").write_bytes(b"\0" * pad)
+            err = fails(main(*argv, disk / "out"), "[Nn]o space left on", "free space")
+            assert [p.name for p in disk.iterdir()] == ["pad"], (err, list(disk.rglob("*")))
