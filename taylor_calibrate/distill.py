@@ -352,6 +352,8 @@ def read_checkpoint(ckpt: Path, model) -> tuple[dict, dict, dict]:
         if not isinstance(meta, dict):
             raise TypeError("state.json is not a JSON object")
         step = int(meta["step"])
+        if ckpt.name != f"step_{step:08d}":
+            raise ValueError(f"its state.json records step {meta['step']!r}, not the step of {ckpt.name}")
         msd = load_file(str(ckpt / "model.safetensors"))
         flat = load_file(str(ckpt / "optimizer.safetensors"))
         state: dict[str, dict] = {}
@@ -421,9 +423,10 @@ def _records(path: Path) -> list[dict]:
                 log.warning("%s: dropped a half-written last line", path)
                 break
             raise ValueError(f"{path}:{i + 1} is not valid JSON; delete the file or pass a new --out") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            raise ValueError(f"{path}:{i + 1} is not a metrics record (a JSON object with a step); the file is "
-                             "damaged: delete it or pass a new --out")
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or \
+                not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in rec.values()):
+            raise ValueError(f"{path}:{i + 1} is not a metrics record (a JSON object of numbers with a step); the "
+                             "file is damaged: delete it or pass a new --out")
         records.append(rec)
     return records
 

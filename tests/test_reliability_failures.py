@@ -191,10 +191,16 @@ def test_metrics_and_state_of_the_wrong_shape_are_named(tmp_path):
     m.write_text('{"step": 1}\n[1, 2]\n{"step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2 is not a metrics record"):
         _records(m)
+    m.write_text('{"step": 0, "heldout_kl": "x"}\n{"step": 1}\n')  # a resumed run compares and exps these
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:1 is not a metrics record"):
+        _records(m)
     ck = tmp_path / "step_00000001"
     ck.mkdir()
     (ck / "state.json").write_text("[1]")
     with pytest.raises(CorruptCheckpoint, match="step_00000001 is damaged"):
+        read_checkpoint(ck, None)
+    (ck / "state.json").write_text('{"step": 99999}')  # would resume a finished run from a step it never reached
+    with pytest.raises(CorruptCheckpoint, match="records step 99999, not the step of step_00000001"):
         read_checkpoint(ck, None)
 
 
