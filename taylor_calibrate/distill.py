@@ -313,8 +313,9 @@ def run_identity(student, trained: set[str], teacher: str | None, args: TrainArg
 
     data = {k: where(v) for k, v in (data or {}).items()}
     ident = {"student_sha256": h.hexdigest(), "teacher": where(teacher), "train": shaping, "data": data}
-    if isinstance(teacher, str) and teacher_hash(teacher):  # a teacher replaced at the same path is another run
-        ident["teacher_hash"] = teacher_hash(teacher)
+    weights = teacher_hash(teacher) if isinstance(teacher, str) else None
+    if weights:  # a teacher replaced at the same path makes another run
+        ident["teacher_hash"] = weights
     return json.loads(json.dumps(ident, default=str))  # as it reads back from state.json
 
 

@@ -76,8 +76,8 @@ def check_architecture(config, spec: str | None = None, origin: str | None = Non
     converted from, when known)."""
     model_type = getattr(config, "model_type", None)
     if model_type in _HYBRIDS:
-        raise ValueError(hybrid_teacher_error(spec, _HYBRIDS[model_type], origin or getattr(config, "teacher_name",
-                                                                                           None)))
+        origin = origin or getattr(config, "teacher_name", None)  # ours records it
+        raise ValueError(hybrid_teacher_error(spec, _HYBRIDS[model_type], origin))
     if model_type not in SUPPORTED_ARCHITECTURES:
         hint = " (for Gemma 3 use a text-only checkpoint, model_type gemma3_text)" if model_type == "gemma3" else ""
         raise ValueError(f"unsupported teacher architecture {model_type!r}{hint}; supported: "
