@@ -212,15 +212,15 @@ def teacher_hash(spec: str) -> str | None:
     files = teacher_weight_files(spec)
     if not files:
         return None
-    stats = [(f.resolve(), f.stat()) for f in files]
-    return _weights_hash(tuple((str(p), st.st_size, st.st_mtime_ns) for p, st in stats))
+    stats = [(str(f.resolve()), f.stat()) for f in files]
+    full = sum(st.st_size for _, st in stats) <= FULL_HASH_BYTES
+    return _weights_hash(tuple((p, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) for p, st in stats), full)
 
 
 @functools.cache  # a run asks for the same teacher's hash more than once (checks, then the run identity)
-def _weights_hash(files: tuple[tuple[str, int, int], ...]) -> str:
-    full = sum(size for _, size, _ in files) <= FULL_HASH_BYTES
+def _weights_hash(files: tuple[tuple[str, int, int, int, int], ...], full: bool) -> str:
     h = hashlib.sha256()
-    for path, size, _ in files:
+    for path, size, *_ in files:
         h.update(f"{Path(path).name}:{size}\n".encode())
         with open(path, "rb") as f:
             if full or size <= 2 * _EDGE + _BLOCKS * _BLOCK:

@@ -259,6 +259,28 @@ def test_distill_checks_its_teacher_against_the_one_converted_from(fw, caplog):
           "pass --teacher with where it is now")
 
 
+def test_the_hash_of_large_weights_samples_them_and_still_tells_them_apart(tmp_path, monkeypatch):
+    """Past FULL_HASH_BYTES the hash reads samples (a multi-GB teacher is not read whole): a copy elsewhere hashes
+    the same, a change in a sampled block does not."""
+    from taylor_calibrate import teacher as t
+
+    gguf = tmp_path / "a" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(np.random.default_rng(0).bytes(5 << 20))
+    assert t.teacher_hash(str(gguf)).startswith("sha256:")
+    monkeypatch.setattr(t, "FULL_HASH_BYTES", 1 << 20)
+    sampled = t.teacher_hash(str(gguf))
+    assert sampled.startswith("sha256-sampled:")
+    copy = tmp_path / "b" / "model.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(gguf, copy)
+    assert t.teacher_hash(str(copy)) == sampled
+    with open(copy, "r+b") as f:  # the last MiB is always read
+        f.seek((5 << 20) - 100)
+        f.write(b"\x00" * 8)
+    assert t.teacher_hash(str(copy)) != sampled
+
+
 def test_hidden_weight_needs_a_teacher_of_the_students_depth_and_width(fw):
     """--train.hidden_weight pairs each student layer with the teacher's: a wider or deeper teacher (same vocabulary,
     so allowed for the KL) is refused by name, not a torch shape error or a silent pairing of the first layers."""
