@@ -85,11 +85,15 @@ def write_errors(target: str | Path):
     try:
         yield
     except (OSError, SafetensorError) as e:
-        if isinstance(e, OSError) and e.errno not in _WRITE_ERRNOS:
+        # numpy's tofile (the GGUF writer's, the token shards') reports a short write as "N requested and M written"
+        short = isinstance(e, OSError) and e.errno is None and "written" in str(e)
+        if isinstance(e, OSError) and e.errno not in _WRITE_ERRNOS and not short:
             raise
         why = getattr(e, "strerror", None) or str(e)
         if isinstance(e, SafetensorError) and ("code: 28" in why or "StorageFull" in why):
             why = "no space left on the device"
+        elif short:
+            why = f"only part of a write reached the disk ({e}): no space left on the device"
         raise OSError(f"could not write {target} ({why}); nothing was kept: free space or fix the permissions there, "
                       "or pass another --out") from e
 
@@ -126,6 +130,12 @@ def check_safetensors(path: Path, fix: str) -> list[Path]:
 
     weights = sorted(path.glob("*.safetensors"))
     for w in weights:
+        if not w.is_file():  # a pipe would block the reader
+            raise ValueError(f"checkpoint file {w} is not a regular file (a pipe, socket or device); {fix}")
+        try:
+            open(w, "rb").close()
+        except OSError as e:  # unreadable is not damaged: say which it is
+            raise OSError(f"cannot read {w} ({e.strerror}); fix its permissions, or pass a copy you can read") from None
         try:
             with safe_open(str(w), framework="pt") as f:
                 f.keys()
@@ -164,19 +174,76 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
         raise FileNotFoundError(f"{path} is not a directory; pass the output directory of `convert`")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the output of `convert`")
-    try:
-        json.loads((path / "config.json").read_text())
-    except ValueError as e:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON ({e}); {fix}") from None
+    check_json_files(path, fix)
+    check_hybrid_config(path, json.loads((path / "config.json").read_text()), fix)
     if not check_safetensors(path, fix):
         raise FileNotFoundError(f"{path} has no *.safetensors weights; re-run `convert` to write them")
     try:
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
                                                            trust_remote_code=False)
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"could not load the model in {path}: {e}") from e
     check_loaded(path, info, fix)
     check_report(path, model.config)
     check_finite(model, str(path), "the file is damaged or the run that wrote it diverged; " + fix)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False) if any(path.glob("tokenizer*")) else None
+    tokenizer = None
+    if any(path.glob("tokenizer*")):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        except Exception as e:  # a damaged tokenizer file surfaces as whatever its reader meets
+            raise ValueError(f"could not load the tokenizer in {path} ({type(e).__name__}: {e}): its tokenizer files "
+                             "are damaged; copy them again from the teacher it was converted from") from e
     return model.to(device).eval(), tokenizer
+
+
+_JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+               "special_tokens_map.json")  # report.json: model.loading.check_report
+
+
+def check_json_files(path: Path, fix: str) -> None:
+    """The JSON files a model directory may hold must be regular files (a pipe would block the reader) holding a
+    JSON object."""
+    for name in _JSON_FILES:
+        f = path / name
+        if not f.exists():
+            continue
+        if not f.is_file():
+            raise ValueError(f"{f} is not a regular file (a pipe, socket or device); {fix}")
+        try:
+            data = json.loads(f.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{f} is not valid JSON ({e}); {fix}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{f} is not a JSON object (it holds a {type(data).__name__}): it is damaged; {fix}")
+
+
+def check_hybrid_config(path: Path, cfg: dict, fix: str) -> None:
+    """A hybrid's config.json must have the shape `convert` writes: a layer kind per layer of its base config, its
+    options, its teacher a path or null, and none of the keys the config computes. Anything else would load another
+    model than the one saved, or fail deep in transformers."""
+    from taylor_calibrate.model.hybrid_config import ATTENTION_TYPES, HEADWISE_TYPES, MIXER_TYPE
+
+    if cfg.get("model_type") != "taylor_hybrid":
+        return
+    base, types = cfg.get("base_config"), cfg.get("layer_types")
+    kinds = (*ATTENTION_TYPES, MIXER_TYPE, *HEADWISE_TYPES.values())
+    n = base.get("num_hidden_layers") if isinstance(base, dict) else None
+    problems = []
+    if not isinstance(base, dict) or not isinstance(n, int) or n < 1:
+        problems.append("base_config is not the teacher's config (an object with num_hidden_layers)")
+    if not isinstance(types, list) or not all(t in kinds for t in types):
+        problems.append(f"layer_types is not a list of layer kinds ({', '.join(kinds)})")
+    elif isinstance(n, int) and len(types) != n:
+        problems.append(f"layer_types lists {len(types)} layers where base_config.num_hidden_layers is {n}")
+    for key, kind in (("teacher_name", str), ("attention_heads", dict), ("mixer", str)):
+        if cfg.get(key) is not None and not isinstance(cfg[key], kind):
+            problems.append(f"{key} is of type {type(cfg[key]).__name__}, not {kind.__name__}")
+    mixer = cfg.get("mixer") if isinstance(cfg.get("mixer"), str) else "gdn"
+    if mixer in cfg and not isinstance(cfg[mixer], dict):
+        problems.append(f"{mixer} (the mixer's options) is of type {type(cfg[mixer]).__name__}, not an object")
+    computed = sorted({"gdn_layers", "mixer_options"} & set(cfg))
+    if computed:
+        problems.append(f"it sets {computed}, which the config computes from layer_types")
+    if problems:
+        raise ValueError(f"{path / 'config.json'} is not a hybrid config as `convert` writes it: {'; '.join(problems)}"
+                         f"; it is damaged: {fix}")

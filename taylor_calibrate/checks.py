@@ -9,11 +9,14 @@ import contextlib
 import errno
 import functools
 import json
+import logging
 import os
 import socket
 import tempfile
 import time
 from pathlib import Path
+
+log = logging.getLogger("taylor_calibrate")
 
 # How an earlier output of each command is recognised: a file it writes (with a key of its own when several
 # commands write a file of that name). A non-empty --out that is none of these needs --overwrite.
@@ -91,13 +94,16 @@ def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs:
     if not existing.is_dir():
         where = "is an existing file" if existing == path else f"lies under {existing}, which is a file"
         raise NotADirectoryError(f"{flag} {out} {where}; pass a directory path")
-    try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".taylor-calibrate-write-test-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise PermissionError(f"{flag} {out}: cannot write in {existing} ({e.strerror or e}); pass a writable "
-                              "location") from None
+    beside = next((p for p in path.parents if p.exists()), existing)  # the lock and staged outputs go here
+    for where in dict.fromkeys([existing, beside]):
+        try:
+            fd, probe = tempfile.mkstemp(dir=where, prefix=".taylor-calibrate-write-test-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            role = "" if where == existing else f", where the run keeps its lock and stages its output beside {path}"
+            raise PermissionError(f"{flag} {out}: cannot write in {where} ({e.strerror or e}){role}; pass a writable "
+                                  f"location (or make {where} writable)") from None
     if lock is not None:
         lock.enter_context(output_lock(path, command, flag))
     if path.is_dir() and any(path.iterdir()) and not overwrite and not is_output_of(path, command):
@@ -183,11 +189,19 @@ def output_lock(path: str | Path, command: str = "", flag: str = "--out"):
         if same:
             break
         f.close()
-    f.seek(0)
-    f.truncate()
-    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-                        "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+                            "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+        f.flush()
+    except OSError as e:  # a full disk: no lock file left behind
+        with contextlib.suppress(OSError):
+            lf.unlink()
+        with contextlib.suppress(OSError):
+            f.close()
+        raise OSError(f"could not write the lock file {lf} of {flag} {path} ({e.strerror or e}); free space or fix "
+                      f"the permissions there, or pass another {flag}") from None
     _HELD[lf] = [f, 0]
     try:
         yield
@@ -200,7 +214,8 @@ def output_lock(path: str | Path, command: str = "", flag: str = "--out"):
 
 def writes_out(command: str, out_of=lambda args: args.out, nested_ok: tuple[str, ...] = ()):
     """Decorator of a command's run_* function: before it runs, check its --out against its inputs (--teacher,
-    --student, --model, --data.source: `check_out`) and take the lock of --out, held until it returns or raises."""
+    --student, --model, --data.source: `check_out`) and take the lock of --out, held until it returns or raises; a
+    run that fails removes the --out it created if it left it empty."""
     def wrap(fn):
         @functools.wraps(fn)
         def run(args):
@@ -208,9 +223,16 @@ def writes_out(command: str, out_of=lambda args: args.out, nested_ok: tuple[str,
             data = getattr(args, "data", None)
             inputs["--data.source"] = getattr(data, "source", None)
             with contextlib.ExitStack() as stack:
-                check_out(str(out_of(args)), command, overwrite=getattr(args, "overwrite", None), inputs=inputs,
-                          nested_ok=nested_ok, lock=stack)
-                return fn(args)
+                path = check_out(str(out_of(args)), command, overwrite=getattr(args, "overwrite", None),
+                                 inputs=inputs, nested_ok=nested_ok, lock=stack)
+                existed = path.exists()
+                try:
+                    return fn(args)
+                except BaseException:
+                    if not existed:  # a failed run leaves no empty --out behind (rmdir takes only an empty one)
+                        with contextlib.suppress(OSError):
+                            path.rmdir()
+                    raise
         return run
     return wrap
 
@@ -224,6 +246,53 @@ def check_same_vocab(teacher_spec: str, teacher_model, teacher_tokenizer, model,
         why = f"vocab_size {sizes[0]} vs {sizes[1]}" if sizes[0] != sizes[1] else "other tokens at the same ids"
         raise ValueError(f"teacher {teacher_spec!r} does not share the {who}'s vocabulary ({why}), so their token ids "
                          f"cannot be compared; pass the teacher it was converted from ({origin})")
+
+
+def check_teacher_origin(student: str, recorded: str | None, teacher: str | None) -> str:
+    """The teacher `distill` trains `student` toward, checked against the one it was converted from (config.json's
+    teacher_name, and report.json's teacher_hash of its weights): a --teacher that is another model is allowed (a
+    bigger model of the same vocabulary, say) with a warning; without --teacher, a recorded teacher whose weights
+    changed since the conversion is refused, since the user asked for the original. Returns the teacher spec."""
+    from taylor_calibrate.teacher import teacher_hash, teacher_ref
+
+    spec = teacher or recorded
+    if not spec:
+        raise ValueError(f"{student} does not record its teacher; pass --teacher")
+    if not recorded:
+        return spec
+    if teacher is None and recorded.startswith("/") and not os.path.exists(recorded):  # recorded absolute: a path
+        raise FileNotFoundError(f"the teacher {recorded} that {student} records does not exist any more (moved or "
+                                "deleted); pass --teacher with where it is now")
+    try:
+        then = json.loads((Path(student) / "report.json").read_text()).get("teacher_hash")
+    except (OSError, ValueError, AttributeError):
+        then = None  # no report (a distilled model/ directory) or a damaged one, which the loader has refused
+    now = teacher_hash(spec) if then else None
+    same_place = teacher_ref(spec) == teacher_ref(recorded)
+    if then and now:
+        same = then == now
+    else:  # a hub id or an older conversion without the hash: where it is is all there is to compare
+        same = same_place
+    if same:
+        return spec
+    if teacher is None:
+        raise ValueError(f"the teacher {recorded} that {student} records is no longer the model it was converted "
+                         f"from: its weights changed since (teacher_hash {then} then, {now} now); restore it, or pass "
+                         f"--teacher {recorded} to distil toward it as it is now")
+    log.warning("--teacher %s is not the teacher %s was converted from (%s%s): distilling toward another model",
+                teacher, student, recorded, ", whose weights changed since" if same_place else "")
+    return spec
+
+
+def check_same_layers(teacher_spec: str, teacher_config, student_config, hidden_weight: float) -> None:
+    """--train.hidden_weight compares every layer's output with the teacher's: both need as many layers, as wide
+    (zip would silently pair the first layers of a deeper teacher)."""
+    t, s = teacher_config.get_text_config(), student_config
+    if hidden_weight and (t.num_hidden_layers, t.hidden_size) != (s.num_hidden_layers, s.hidden_size):
+        raise ValueError(f"--train.hidden_weight compares each layer's output with the teacher's, but teacher "
+                         f"{teacher_spec!r} has {t.num_hidden_layers} layers of width {t.hidden_size} and the student "
+                         f"{s.num_hidden_layers} of width {s.hidden_size}; pass the teacher it was converted from, or "
+                         "--train.hidden_weight 0")
 
 
 def check_context(seq_len: int, config, allow: bool, who: str) -> None:

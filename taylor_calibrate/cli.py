@@ -5,8 +5,10 @@ Flags and a YAML file (`--config run.yaml`, a dump of the same dataclass) both f
 """
 from __future__ import annotations
 
+import errno
 import functools
 import logging
+import os
 import shlex
 import sys
 
@@ -57,20 +59,51 @@ def parse(argv: list[str] | None = None):
     return name, args_of(COMMANDS[name][0], parser.instantiate(cfg)[name])
 
 
+def check_config_files(words: list[str]) -> None:
+    """A --config that names a pipe or device would block the parser for ever: refuse it (a YAML string is fine)."""
+    for i, w in enumerate(words):
+        if w.startswith("--config="):
+            value = w.split("=", 1)[1]
+        elif w == "--config" and i + 1 < len(words):
+            value = words[i + 1]
+        else:
+            continue
+        if os.path.exists(value) and not os.path.isfile(value):
+            raise ValueError(f"--config {value} is not a regular file (a directory, pipe or device); pass a YAML file")
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def describe(e: BaseException, args=None) -> str:
+    """The error line: the message, with a bare OSError of the system (a full disk, no permission) given the file or
+    output it concerns and the fix."""
+    if not isinstance(e, OSError) or not str(e).startswith("[Errno") or e.errno not in _FULL + _DENIED:
+        return str(e)
+    where = e.filename or getattr(args, "out", None)
+    if e.errno in _FULL:
+        return (f"no space left on the device{f' writing {where}' if where else ''} ({e.strerror}); free space there "
+                "or pass another --out")
+    return f"{e.strerror}{f': {where}' if where else ''}; fix the permissions there or pass another path"
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "huggingface_hub", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     words = sys.argv[1:] if argv is None else argv
     name = next((w for w in words if w in COMMANDS), None)  # for the error line, before parsing succeeds
+    args = None
     try:
+        check_config_files(words)
         name, args = parse(argv)
         package_state()  # the code this run starts from, recorded in its results however long it runs
         if getattr(args, "command", "") is None:  # results record the command line that made them
             args.command = "taylor-calibrate " + shlex.join(sys.argv[1:] if argv is None else argv)
         COMMANDS[name][1](args)
     except (ValueError, FileNotFoundError, OSError, RuntimeError, ImportError) as e:
-        print(f"taylor-calibrate {name or ''}: error: {e}", file=sys.stderr)
+        print(f"taylor-calibrate {name or ''}: error: {describe(e, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"taylor-calibrate {name or ''}: interrupted; nothing half-written was kept (outputs appear whole or "

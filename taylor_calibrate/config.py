@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import yaml
@@ -63,9 +63,10 @@ class CalibArgs:
 
     def __post_init__(self):
         if self.sigma_rows < 1 or self.fit_rows < 1:
-            raise ValueError(f"calib options sigma_rows={self.sigma_rows} and fit_rows={self.fit_rows} must be >= 1")
+            raise ValueError(f"--calib.sigma_rows={self.sigma_rows} and --calib.fit_rows={self.fit_rows} must be >= 1")
         if not (0 < self.beta_min and self.beta_min + self.beta_span < 1 and self.beta_span >= 0):
-            raise ValueError("calib options need 0 < beta_min and beta_min + beta_span < 1")
+            raise ValueError(f"--calib.beta_min={self.beta_min} and --calib.beta_span={self.beta_span} must give "
+                             "0 < beta_min, 0 <= beta_span and beta_min + beta_span < 1")
 
 
 @dataclass
@@ -133,24 +134,24 @@ class AlignArgs:
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"align option schedule={self.schedule!r} is not one of {SCHEDULES}")
+            raise ValueError(f"--phase2.schedule={self.schedule!r} is not one of {SCHEDULES}")
         for name in ("batch_size", "log_every", "layer_group"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"align option {name}={getattr(self, name)} must be >= 1")
+                raise ValueError(f"--phase2.{name}={getattr(self, name)} must be >= 1")
         if self.steps is not None and self.steps < 0:
-            raise ValueError(f"align option steps={self.steps} must be >= 0")
+            raise ValueError(f"--phase2.steps={self.steps} must be >= 0")
         if self.seq_len is not None and self.seq_len < 1:
-            raise ValueError(f"align option seq_len={self.seq_len} must be >= 1 or None")
+            raise ValueError(f"--phase2.seq_len={self.seq_len} must be >= 1 or None")
         if not 0.0 < self.decay_fraction <= 1.0:
-            raise ValueError(f"align option decay_fraction={self.decay_fraction} must be in (0, 1]")
+            raise ValueError(f"--phase2.decay_fraction={self.decay_fraction} must be in (0, 1]")
         if self.sink_weight < 0:
-            raise ValueError(f"align option sink_weight={self.sink_weight} must be >= 0")
+            raise ValueError(f"--phase2.sink_weight={self.sink_weight} must be >= 0")
         if self.far_weight < 0:
-            raise ValueError(f"align option far_weight={self.far_weight} must be >= 0 (0 turns it off)")
+            raise ValueError(f"--phase2.far_weight={self.far_weight} must be >= 0 (0 turns it off)")
         if self.lr_qkv is not None and self.lr_qkv < 0:
-            raise ValueError(f"align option lr_qkv={self.lr_qkv} must be >= 0 or None (from --profile)")
+            raise ValueError(f"--phase2.lr_qkv={self.lr_qkv} must be >= 0 or None (from --profile)")
         if self.lr_dynamics is not None and self.lr_dynamics < 0:
-            raise ValueError(f"align option lr_dynamics={self.lr_dynamics} must be >= 0 or None")
+            raise ValueError(f"--phase2.lr_dynamics={self.lr_dynamics} must be >= 0 or None")
 
 
 @dataclass
@@ -173,6 +174,10 @@ class CorpusSpec:
     tokenizer and reused until it changes (None: $TAYLOR_CALIBRATE_TOKEN_CACHE, else $XDG_CACHE_HOME/taylor_calibrate/
     tokens, else ~/.cache/taylor_calibrate/tokens). Safe to delete when no run is reading it."""
 
+    def __post_init__(self):
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"--data.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+
 
 @dataclass
 class DataArgs(CorpusSpec):
@@ -189,9 +194,10 @@ class DataArgs(CorpusSpec):
     """Allow seq_len beyond the model's max_position_embeddings (positions it was never trained on)."""
 
     def __post_init__(self):
+        super().__post_init__()
         for name in ("seq_len", "calib_seqs", "eval_seqs"):
             if getattr(self, name) is not None and getattr(self, name) < (2 if name == "seq_len" else 1):
-                raise ValueError(f"data option {name}={getattr(self, name)} is out of range (must be positive)")
+                raise ValueError(f"--data.{name}={getattr(self, name)} is out of range (must be positive)")
 
 
 INITS = ("copy", "zero_gate", "paper", "taylor")
@@ -532,29 +538,30 @@ class TrainArgs:
 
     def __post_init__(self):
         if self.train not in TRAIN_MODES:
-            raise ValueError(f"train option train={self.train!r} is not one of {TRAIN_MODES}")
+            raise ValueError(f"--train.train={self.train!r} is not one of {TRAIN_MODES}")
         if self.parallel not in PARALLEL:
-            raise ValueError(f"train option parallel={self.parallel!r} is not one of {PARALLEL}")
+            raise ValueError(f"--train.parallel={self.parallel!r} is not one of {PARALLEL}")
         if self.head not in LOSS_HEADS:
-            raise ValueError(f"train option head={self.head!r} is not one of {LOSS_HEADS}")
+            raise ValueError(f"--train.head={self.head!r} is not one of {LOSS_HEADS}")
         if self.kl_chunk < 1:
-            raise ValueError(f"train option kl_chunk={self.kl_chunk} must be >= 1 (tokens per chunk)")
+            raise ValueError(f"--train.kl_chunk={self.kl_chunk} must be >= 1 (tokens per chunk)")
         for name in ("tokens", "batch_size", "micro_batch_size", "eval_every", "save_every", "log_every"):
             v = getattr(self, name)
             if v is not None and v < 1:
-                raise ValueError(f"train option {name}={v} must be >= 1")
+                raise ValueError(f"--train.{name}={v} must be >= 1")
         for name in ("repeat_spans", "recall_rows"):
             if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"train option {name}={getattr(self, name)} must be a fraction of the rows in [0, 1]")
+                raise ValueError(f"--train.{name}={getattr(self, name)} must be a fraction of the rows in [0, 1]")
         if not 0 <= self.warmup < 1:
-            raise ValueError(f"train option warmup={self.warmup} must be in [0, 1)")
+            raise ValueError(f"--train.warmup={self.warmup} must be in [0, 1)")
         if self.lr <= 0 or self.temperature <= 0:
-            raise ValueError("train options lr and temperature must be > 0")
+            raise ValueError(f"--train.lr={self.lr} and --train.temperature={self.temperature} must both be > 0")
         if self.far_weight < 0:
-            raise ValueError(f"train far_weight={self.far_weight} must be >= 0 (0 turns it off)")
+            raise ValueError(f"--train.far_weight={self.far_weight} must be >= 0 (0 turns it off)")
         if min(self.kl_weight, self.hidden_weight, self.ce_weight) < 0 or \
                 self.kl_weight + self.hidden_weight + self.ce_weight == 0:
-            raise ValueError("train loss weights must be >= 0 and not all 0")
+            raise ValueError(f"the loss weights --train.kl_weight={self.kl_weight}, --train.hidden_weight="
+                             f"{self.hidden_weight} and --train.ce_weight={self.ce_weight} must be >= 0 and not all 0")
 
 
 def apply_train_profile(train: TrainArgs, profile: str) -> None:

@@ -35,7 +35,8 @@ from taylor_calibrate.retrieval import answer_scores, calibration_probes, fittin
 from taylor_calibrate.stats import (attention_targets, collect_stats, far_weights, knockout_drops, retrieval_heads,
                                    store_device_for)
 from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, Teacher, gguf_tokenizer_metadata, load_teacher,
-                                      resolve_device, resolve_dtype, teacher_gguf_path, teacher_ref)
+                                      resolve_device, resolve_dtype, teacher_gguf_path, teacher_hash,
+                                      teacher_ref)
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -365,6 +366,7 @@ def run_convert(args: ConvertArgs) -> dict:
         rt = resolve_runtime(args)
     with clock("load_teacher"):
         teacher = load_teacher(args.teacher, rt.device, rt.dtype)
+        origin = teacher_hash(args.teacher)  # what `distill` checks its teacher against
     conv = convert(args, teacher, rt, clock)
     report = conv.report
     with staged_dir(args.out) as tmp:  # model, tokenizer and report appear together, or not at all
@@ -375,6 +377,7 @@ def run_convert(args: ConvertArgs) -> dict:
                 teacher.tokenizer.init_kwargs[GGUF_TOKENIZER_KEY] = gguf_tokenizer_metadata(gguf_path)
             teacher.tokenizer.save_pretrained(tmp)
         report["wall_s"] = clock.wall()
+        report["teacher_hash"] = origin
         report = record(tmp / REPORT, report, conv.args)
     print_summary(report, conv.args, Path(args.out) / REPORT)
     seq = min(4096, getattr(teacher.model.config, "max_position_embeddings", None) or 4096)  # as check_context

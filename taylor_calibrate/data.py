@@ -466,7 +466,8 @@ def read_token_meta(root: str | Path) -> dict:
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{f} is not valid JSON ({e}); {fix}") from None
     ok = (isinstance(meta, dict) and isinstance(meta.get("tokens"), dict) and isinstance(meta.get("tokenizer"), str)
-          and meta.get("dtype") in ("uint16", "uint32")
+          and meta.get("dtype") in ("uint16", "uint32") and isinstance(meta.get("source"), str)
+          and isinstance(meta.get("corpus"), (dict, type(None)))
           and all(isinstance(meta["tokens"].get(s), int) and meta["tokens"][s] >= 0 for s in SIDES))
     if not ok:
         raise ValueError(f"{f} is not a token-shard description (tokens, tokenizer, dtype); {fix}")

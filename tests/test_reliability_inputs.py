@@ -105,6 +105,45 @@ def test_a_fifo_data_source_is_refused_not_waited_on(tw):
     assert not (root / "tok_fifo").exists()
 
 
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Fail instead of hanging: SIGALRM interrupts a blocked open() of a pipe."""
+    def expired(*_):
+        raise TimeoutError(f"still waiting after {seconds} s: a reader blocked on a pipe")
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_pipes_where_our_files_belong_are_refused_not_waited_on(tw):
+    """A pipe as --config, as the teacher's config.json or GGUF, as a model directory's JSON or weights: refused at
+    once, naming it (a reader would block for ever)."""
+    root, teacher, corpus, hybrid = tw
+    pipes = root / "pipes"
+    t, m, m2 = pipes / "teacher", pipes / "model", pipes / "model2"
+    if not pipes.exists():
+        for src, dst in ((teacher, t), (hybrid, m), (hybrid, m2)):
+            shutil.copytree(src, dst)
+        for f in (t / "config.json", m / "tokenizer_config.json", m2 / "w.safetensors"):
+            f.unlink(missing_ok=True)
+            os.mkfifo(f)
+        for f in (pipes / "run.yaml", pipes / "t.gguf"):
+            os.mkfifo(f)
+    cases = [(["convert", "--config", pipes / "run.yaml", "--out", pipes / "o1"], r"--config .*run\.yaml is not a regular"),
+             (["convert", "--teacher", t, "--out", pipes / "o2"], r"teacher/config\.json is not a regular file"),
+             (["convert", "--teacher", pipes / "t.gguf", "--out", pipes / "o3"], r"t\.gguf' is not a regular file"),
+             (["eval", "--model", m, "--data.source", corpus], r"tokenizer_config\.json is not a regular file"),
+             (["eval", "--model", m2, "--data.source", corpus], r"w\.safetensors is not a regular file")]
+    with _deadline(120):
+        for argv, pattern in cases:
+            fails(main(*argv, "--device", "cpu"), pattern)
+    assert not [p for p in pipes.iterdir() if p.name.startswith("o")]
+
+
 def test_a_dangling_link_out_fails_before_any_work(tw):
     root, teacher, corpus, hybrid = tw
     link = root / "dangling"

@@ -172,6 +172,9 @@ def export_gguf(model_dir: str | Path, out_dir: str | Path, ftype: str = "f32") 
     try:
         writer = gguf.GGUFWriter(str(tmp / GGUF_NAME), ARCH)
         writer.add_name(src.name)
+        if cfg.teacher_name:  # the model it derives from: a `convert --teacher` of this file names it
+            writer.add_base_model_count(1)
+            writer.add_base_model_name(0, cfg.teacher_name)
         writer.add_context_length(config["max_position_embeddings"])
         writer.add_embedding_length(config["hidden_size"])
         writer.add_block_count(n_layers)
