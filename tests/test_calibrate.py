@@ -486,7 +486,7 @@ def test_zero_gate_zeroes_only_g_proj(teacher):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"beta_min": 0.0}, "0 < beta_min and beta_min \\+ beta_span < 1"),
+    ({"beta_min": 0.0}, "0 < beta_min, 0 <= beta_span and beta_min \\+ beta_span < 1"),
     ({"beta_min": 0.5, "beta_span": 0.5}, "beta_min \\+ beta_span < 1"),
     ({"beta_span": -0.1}, "beta_min"),
 ])
