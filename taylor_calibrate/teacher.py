@@ -235,10 +235,45 @@ def _weights_hash(files: tuple[tuple[str, int, int, int, int], ...], full: bool)
     return ("sha256:" if full else "sha256-sampled:") + h.hexdigest()
 
 
+# llama.cpp pre-tokenizers (`tokenizer.ggml.pre`, llama-vocab.cpp) that isolate every digit before GPT-2's split:
+# the vocabulary was trained on that split (tokenizer.json: Digits(individual_digits=True) then ByteLevel), which
+# transformers' GGUF tokenizer does not rebuild (it keeps ByteLevel's GPT-2 split alone).
+_DIGIT_SPLIT_PRE = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva",
+                              "mellum2"})
+
+
+def gguf_pre_tokenizer(path: str | Path) -> str | None:
+    """A GGUF's `tokenizer.ggml.pre` (llama.cpp's name for how text is split before BPE), or None."""
+    try:  # transformers' reader parses only what is asked (milliseconds); gguf's reads every array (seconds)
+        from transformers.integrations.gguf.reader import read_gguf_metadata
+
+        return read_gguf_metadata(str(path), ())[0].get("tokenizer.ggml.pre")
+    except ImportError:
+        return gguf_tokenizer_metadata(path).get("tokenizer.ggml.pre")
+
+
+def with_gguf_split(tokenizer, path: str | Path):
+    """`tokenizer` (transformers' build from the GGUF at `path`) splitting text as the GGUF's pre-tokenizer does,
+    so that token ids are the ones the teacher was trained on and the ones llama.cpp gives for the same text."""
+    from tokenizers import pre_tokenizers
+
+    backend = tokenizer.backend_tokenizer
+    state = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    if gguf_pre_tokenizer(path) in _DIGIT_SPLIT_PRE and state.get("type") == "ByteLevel" and state.get("use_regex"):
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    return tokenizer
+
+
+def _tokenizer(where: str, kw: dict):
+    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False, **kw)
+    return with_gguf_split(tokenizer, Path(where) / kw["gguf_file"]) if "gguf_file" in kw else tokenizer
+
+
 def load_tokenizer(spec: str = DEFAULT_TEACHER):
     """The tokenizer of a teacher spec (or of any checkpoint directory with tokenizer files, e.g. a hybrid)."""
     where, kw = _locate(spec)
-    return AutoTokenizer.from_pretrained(where, trust_remote_code=False, **kw)
+    return _tokenizer(where, kw)
 
 
 def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -282,7 +317,7 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
                                                            attn_implementation=attn_implementation,
                                                            output_loading_info=True,
                                                            trust_remote_code=False, **kw)
-        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False, **kw)
+        tokenizer = _tokenizer(where, kw)
     except Exception as e:  # a damaged file surfaces as whatever the reader of that format raises
         raise ValueError(f"could not load teacher {spec!r} ({type(e).__name__}: {e}); check that its files are "
                          "complete (download them again)") from e

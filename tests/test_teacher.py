@@ -65,3 +65,26 @@ def test_device_and_dtype_options():
     assert resolve_device("cpu").type == "cpu"
     with pytest.raises(ValueError, match="dtype='fp8'"):
         resolve_dtype("fp8", resolve_device("cpu"))
+
+
+def test_embedded_teacher_tokenizer_isolates_digits():
+    """The embedded teacher's GGUF names pre-tokenizer `smollm` (digits split one by one before GPT-2's split); the
+    tokenizer must split text the same way, so that its ids are llama.cpp's (`llama-tokenize` on the GGUF gives
+    these tokens) and the ones the teacher was trained on."""
+    from taylor_calibrate.teacher import DEFAULT_TEACHER, gguf_pre_tokenizer, load_tokenizer, _locate
+
+    where, kw = _locate(DEFAULT_TEACHER)
+    assert gguf_pre_tokenizer(f"{where}/{kw['gguf_file']}") == "smollm"
+    tok = load_tokenizer()
+    pieces = {"\n    0x1f": ["ĊĠĠĠĠ", "0", "x", "1", "f"], "x = 12345": ["x", "Ġ=", "Ġ", "1", "2", "3", "4", "5"]}
+    for text, want in pieces.items():
+        assert tok.convert_ids_to_tokens(tok(text)["input_ids"]) == want, text
+
+
+def test_gguf_split_left_alone_for_other_pre_tokenizers(monkeypatch):
+    """Only the pre-tokenizers that isolate digits change the split; any other name keeps transformers' build."""
+    import taylor_calibrate.teacher as teacher_mod
+
+    monkeypatch.setattr(teacher_mod, "gguf_pre_tokenizer", lambda path: "llama-bpe")
+    tok = teacher_mod.load_tokenizer()
+    assert tok.convert_ids_to_tokens(tok("\n    0x1f")["input_ids"])[:2] == ["ĊĠĠĠ", "Ġ"]
