@@ -50,7 +50,7 @@ from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged
 from taylor_calibrate.model.hybrid import gdn_heads
 from taylor_calibrate.model.hybrid_config import MIXER_TYPE
 from taylor_calibrate.results import record, write_json
-from taylor_calibrate.ops import resolve_backend
+from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.stats import FarMass, observing
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype, teacher_hash
 from taylor_calibrate.training import Clock, autocast, warmup_cosine
@@ -805,7 +805,7 @@ def run_distill(args: DistillArgs) -> dict:
     device = resolve_device(args.device)
     ctx, device = init_distributed(device)
     dtype = resolve_dtype(args.dtype, device)
-    backend = resolve_backend(args.backend)
+    backend = training_backend(resolve_backend(args.backend), args.backend, True)
     profile = apply_profile(args, device.type)
     apply_train_profile(args.train, profile)
     student, tokenizer = load_model(args.student, device, torch.float32)  # fp32 master weights

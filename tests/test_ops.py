@@ -191,6 +191,63 @@ def test_fla_backend_fails_loudly_without_fla():
     assert "--backend torch" in fla_ops.check_fla_backward()
 
 
+class _Refuses(torch.autograd.Function):
+    """Identity forward, a backward that raises as fla's does on Hopper with Triton < 3.7.1 and no tilelang."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results")
+
+
+def _refusing_kernel(calls):
+    def kernel(q, k, v, g, beta, **kw):
+        calls.append(q.shape)
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        return _Refuses.apply(o), ht
+    return kernel
+
+
+def _grads(fn, inputs):
+    leaves = {n: x.clone().requires_grad_(True) for n, x in inputs.items()}
+    o, ht = fn(**leaves, output_final_state=True)
+    (o.square().sum() + ht.sum()).backward()
+    return o.detach(), {n: x.grad for n, x in leaves.items()}
+
+
+@pytest.mark.parametrize("refuses", [False, True])
+def test_first_backward_checks_fla_on_the_real_step(monkeypatch, caplog, refuses):
+    """Backend auto runs no separate fla check: the first training step's backward tries fla's and, where it refuses
+    (fla #640), differentiates the reference instead, says so once, and later steps train on the reference."""
+    calls = []
+    kernel = _refusing_kernel(calls) if refuses else chunk_gated_delta_rule
+    monkeypatch.setattr(fla_ops, "chunk_gated_delta_rule", kernel)  # stands in for fla's (CUDA-only) kernel
+    monkeypatch.setitem(ops.GDN_KERNELS, ("fla", "chunk"), kernel)
+    monkeypatch.setitem(ops._resolved, "fla", "fla")
+    monkeypatch.setattr(ops, "_FLA_BACKWARD", {})
+    inputs = make_inputs(20)
+    want_o, want = _grads(chunk_gated_delta_rule, inputs)
+    with caplog.at_level(logging.WARNING, logger="taylor_calibrate"):
+        for step in range(2):
+            o, got = _grads(lambda **kw: ops.gated_delta_rule(**kw, backend="fla"), inputs)
+            torch.testing.assert_close(o, want_o)
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], msg=name)
+    problem = ops._FLA_BACKWARD["problem"]
+    if refuses:
+        assert "incorrect results" in problem and "Triton" in problem
+        assert len(calls) == 2  # step 0: the forward and the recomputed one; step 1 never reaches the fla kernel
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+        assert "torch path" in caplog.records[0].message and "tilelang" in caplog.records[0].message
+    else:
+        assert problem is None and not caplog.records
+    with torch.no_grad():  # inference never goes through the check
+        ops.gated_delta_rule(**inputs, backend="fla")
+
+
 def test_unknown_backend():
     with pytest.raises(ValueError, match="auto, torch, fla"):
         ops.resolve_backend("bogus")

@@ -39,6 +39,7 @@ MODES = ("auto", "chunk", "recurrent")
 DECODE_MAX_T = 16  # mode "auto" runs the recurrent form up to this many tokens (decoding)
 
 _resolved: dict[str, str] = {}
+_FLA_BACKWARD: dict[str, str | None] = {}  # "problem": None once fla's backward has run in this process, else why not
 
 
 def resolve_backend(name: str) -> str:
@@ -90,12 +91,19 @@ def gated_delta_rule(
     backend = resolve_backend(backend)
     if mode not in MODES:
         raise ValueError(f"unknown GDN mode {mode!r}; choose one of {', '.join(MODES)}")
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
+    )
     if mode == "auto":
-        needs_grad = torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
-        )
         short = q.shape[1] <= DECODE_MAX_T
         mode = "recurrent" if short and not (backend == "fla" and needs_grad) else "chunk"
+    if backend == "fla" and mode == "chunk" and needs_grad:
+        if "problem" not in _FLA_BACKWARD:  # the first training step finds out whether fla's backward runs here
+            return torch.compiler.disable(fla_ops.first_backward)(
+                reference.chunk_gated_delta_rule, _FLA_BACKWARD, q, k, v, g, beta, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+        if _FLA_BACKWARD["problem"] is not None:
+            backend = "torch"  # refused once (logged then): the reference trains
     return GDN_KERNELS[backend, mode](
         q, k, v, g, beta,
         scale=scale,
@@ -176,14 +184,18 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, scale: float, window: int 
 
 
 def training_backend(backend: str, asked: str, needed: bool) -> str:
-    """The backend phase 2 trains with: fla's backward refuses to run on some GPU/Triton pairs (Hopper with
-    Triton < 3.7.1 and no tilelang). Asked for fla by name: fail with the fix; auto: say so and train on torch."""
+    """The backend a stage trains with: fla's backward refuses to run on some GPU/Triton pairs (Hopper with
+    Triton < 3.7.1 and no tilelang). Asked for fla by name: check now (before any model loads) and fail with the
+    fix. auto: no separate check (it would compile kernels for shapes no layer has); the first training step finds
+    out (`gated_delta_rule`), and if fla's backward refuses, says so and trains on the torch path."""
     if not needed or backend != "fla":
         return backend
-    problem = fla_ops.check_fla_backward()
-    if problem is None:
+    if asked != "fla":
+        logger.info("GDN training backend: fla, its backward checked on the first training step (torch if it "
+                    "does not run here)")
         return backend
-    if asked == "fla":
-        raise RuntimeError(f"phase 2 trains through fla's kernels, whose backward does not run here: {problem}")
-    logger.warning("fla's backward does not run here, so phase 2 trains on the torch path (slower). %s", problem)
-    return "torch"
+    problem = fla_ops.check_fla_backward()
+    if problem is not None:
+        raise RuntimeError(f"the GDN layers train through fla's kernels, whose backward does not run here: {problem}")
+    _FLA_BACKWARD["problem"] = None
+    return backend

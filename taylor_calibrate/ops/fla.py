@@ -15,15 +15,20 @@ fla 0.6.0 facts this module relies on (read off its source):
   * State (N, H, K, V), K-first unless `state_v_first=True`; final state is always fp32.
   * g is log-space decay, kept fp32 (as fla's GatedDeltaNet layer passes it); q, k, v bf16/fp16/fp32.
   * On Hopper with 3.4 <= Triton < 3.7.1 the chunked backward raises rather than return wrong
-    gradients (fla issue #640): `check_fla_backward` turns that into an actionable message.
+    gradients (fla issue #640) unless tilelang is installed: `check_fla_backward` turns that into an actionable
+    message (the early check for `--backend fla`), `first_backward` finds it out on the first real training step
+    (backend auto: no separate check that compiles kernels for shapes no layer has).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 
 import torch
+
+logger = logging.getLogger("taylor_calibrate")
 
 INSTALL_HINT = "pip install flash-linear-attention fla-core"
 FIX_BACKWARD = (
@@ -164,3 +169,61 @@ def check_fla_backward() -> str | None:
             f"({torch.cuda.get_device_name()}, Triton {triton.__version__}): {type(e).__name__}: {e}\n{FIX_BACKWARD}"
         )
     return None
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
+
+
+class _FirstBackward(torch.autograd.Function):
+    """fla's chunk kernel where no backward through it has run yet in this process (see `first_backward`)."""
+
+    @staticmethod
+    def forward(ctx, reference, state, kw, q, k, v, g, beta, h0):
+        ctx.reference, ctx.state, ctx.kw = reference, state, kw
+        ctx.save_for_backward(q, k, v, g, beta, h0)
+        with torch.no_grad():
+            return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, **kw)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        inputs = [None if x is None else x.detach().requires_grad_(need)
+                  for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad[3:])]
+
+        def grads(kernel):
+            with torch.enable_grad():
+                o, ht = kernel(*inputs[:5], initial_state=inputs[5], **ctx.kw)
+            outs, grad_outs = [o], [do]
+            if ht is not None and dht is not None:
+                outs.append(ht)
+                grad_outs.append(dht)
+            wrt = [x for x in inputs if x is not None and x.requires_grad]
+            got = iter(torch.autograd.grad(outs, wrt, grad_outs, allow_unused=True))
+            return [next(got) if x is not None and x.requires_grad else None for x in inputs]
+
+        if ctx.state.get("problem") is None:
+            try:
+                result = grads(chunk_gated_delta_rule)
+                ctx.state["problem"] = None
+                return (None, None, None, *result)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # fla refuses (#640) or its kernels fail to build here
+                import triton
+
+                ctx.state["problem"] = (f"fla's chunked gated-delta-rule backward does not run here "
+                                        f"({_device_name()}, Triton {triton.__version__}): "
+                                        f"{type(e).__name__}: {e}")
+                logger.warning("%s; training continues on the torch path (slower). %s", ctx.state["problem"],
+                               FIX_BACKWARD)
+        return (None, None, None, *grads(ctx.reference))
+
+
+def first_backward(reference, state: dict, q, k, v, g, beta, initial_state=None, **kw):
+    """fla's chunk kernel for a call that needs gradients before any backward through fla has run in this process:
+    the forward is fla's; the backward runs the forward again through fla with a graph and differentiates it, and
+    where fla's backward refuses to run on this GPU / Triton (fla issue #640) or fails to build, differentiates
+    `reference` (the torch kernel, same signature) instead. `state["problem"]` records the outcome (None: fla's
+    backward ran), so that later calls go straight to one path. Costs one extra forward, on the first step only, and
+    compiles only the kernels of shapes the model has (unlike a separate check)."""
+    return _FirstBackward.apply(reference, state, kw, q, k, v, g, beta, initial_state)
