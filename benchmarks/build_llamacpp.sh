@@ -17,9 +17,9 @@ if [[ $backend == cuda ]]; then
     flags+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
 fi
 cmake -S "$src" -B "$build" -G Ninja "${flags[@]}"
-targets=(llama llama-tokenize llama-quantize)
+targets=(llama llama-tokenize llama-quantize llama-perplexity)  # cpu: what serve_llamacpp.py's bytes step runs
 if [[ $backend == cuda ]]; then
-    targets+=(llama-perplexity llama-batched-bench)
+    targets+=(llama-batched-bench)
 fi
 cmake --build "$build" -j "$jobs" --target "${targets[@]}"
 touch "$build/done"

@@ -11,9 +11,18 @@ Three steps, because the GPU machine has no network and no copy of this package'
       sequences (prompt and decode tokens/s; KV and recurrent-state bytes from the context's own log).
   collect (here): one results JSON (commit, dirty flag, args, environment) and a table.
 
+A fourth step runs on one machine (the CPU build is enough: benchmarks/build_llamacpp.sh SRC BUILD cpu):
+
+  bytes: held-out loss per byte through llama.cpp's own tokenisation against ours, for the teacher's GGUF beside our
+      load of that teacher and / or a hybrid's GGUF export beside our class: llama-tokenize and llama-perplexity on
+      the same held-out text file, our model scored the way llama-perplexity scores, nll / UTF-8 bytes of the scored
+      tokens on each side, and whether the two tokenisations are the same ids.
+
   python benchmarks/serve_llamacpp.py prepare --hybrid runs/hybrid --stage STAGE
   python benchmarks/serve_llamacpp.py device --stage STAGE --build BUILD --out OUT      # on the GPU machine
   python benchmarks/serve_llamacpp.py collect --ours STAGE/ours.json --device_out OUT --shapes JSON --out X.json
+  python benchmarks/serve_llamacpp.py bytes --build BUILD --teacher smollm2-135m --hybrid runs/hybrid --stage STAGE \
+      --out X.json
 """
 from __future__ import annotations
 
@@ -66,7 +75,9 @@ def heldout_text(n_bytes: int) -> str:
         size += len(text.encode())
         if size >= n_bytes:
             break
-    return "\n\n".join(parts)
+    # llama.cpp's tools drop one trailing newline of a -f file (llama-tokenize keeps it): end without one, so both
+    # read the same text
+    return "\n\n".join(parts).rstrip("\n")
 
 
 def token_bytes(tokenizer, ids) -> list[int]:
@@ -236,7 +247,7 @@ def run_device(a) -> None:
                 continue
             cmd = [str(bin_ / "llama-perplexity"), "-m", str(path), "-f", str(stage / "heldout.txt"),
                    "-c", str(ours["ctx"]), "-b", str(ours["ctx"]), "--chunks", str(ours["chunks"]), "-ngl", "99",
-                   "-fa", "on"] + (["-ctk", "f32", "-ctv", "f32"] if kv_f32 else [])
+                   "-fa", "on", "--no-escape"] + (["-ctk", "f32", "-ctv", "f32"] if kv_f32 else [])
             text = _run(cmd, log, 300)
             m = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", text)
             res["ppl"][name] = {"ppl": float(m.group(1)), "stderr": float(m.group(2)),
@@ -396,6 +407,175 @@ def run_collect(a) -> None:
               f"{f(r['hybrid_mem_bytes'] and r['hybrid_mem_bytes'] / MIB)} |")
 
 
+# ------------------------------------------------------------------------------------------------------- bytes
+
+# llama.cpp's tools read a -f file through escape processing (`\n`, `\t`, `\\` ... become the characters; source code
+# is full of them) unless told not to; llama-tokenize also parses special-token text unless told not to, which
+# llama-perplexity never does.
+RAW_TEXT = ["--no-escape"]
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level map, character -> byte (the alphabet byte-level BPE vocabularies are written in)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def gguf_token_bytes(path: Path) -> list[int]:
+    """UTF-8 bytes each id of a byte-level BPE GGUF stands for in text (control tokens: 0), from its own token list."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    model = fields.get("tokenizer.ggml.model")
+    if model is None or bytes(model.parts[model.data[0]]).decode() != "gpt2":
+        raise ValueError(f"{path}: loss per byte is counted here for byte-level BPE GGUFs (tokenizer.ggml.model gpt2)")
+    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in fields["tokenizer.ggml.tokens"].data]
+    types = fields["tokenizer.ggml.token_type"]
+    types = [int(types.parts[i][0]) for i in types.data]
+    dec = _byte_decoder()
+    # NORMAL tokens are written in the byte alphabet; USER_DEFINED ones (added tokens) as the text itself
+    return [len(bytes(dec[c] for c in t)) if ty == 1 and all(c in dec for c in t) else
+            (len(t.encode()) if ty == 4 else 0) for t, ty in zip(tokens, types)]
+
+
+def llama_tokenize(bin_: Path, model: Path, text_file: Path, bos: bool) -> list[int]:
+    """llama.cpp's token ids for the file's text, as llama-perplexity tokenises it (BOS when `bos` and the
+    vocabulary adds one, special-token text as text)."""
+    cmd = [str(bin_ / "llama-tokenize"), "-m", str(model), "-f", str(text_file), "--ids", "--log-disable",
+           "--no-parse-special", *RAW_TEXT] + ([] if bos else ["--no-bos"])
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def parse_perplexity(log: str) -> dict:
+    """llama-perplexity's result from its log (run with --ppl-output-type 1: one line per chunk with the running
+    mean nll to 6 decimals): PPL, mean nll and the chunk count."""
+    rows = re.findall(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", log, re.M)
+    final = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", log)
+    if not rows or final is None:
+        raise ValueError("no perplexity in llama-perplexity's output:\n" + log[-3000:])
+    return {"ppl": float(final.group(1)), "stderr": float(final.group(2)), "mean_nll": float(rows[-1][2]),
+            "chunks": len(rows)}
+
+
+_OURS: dict = {}
+
+
+def loss_per_byte_of(name: str, model, tok, gguf_path: Path, text_file: Path, a, log: Path) -> dict:
+    """One model's held-out loss per byte in llama.cpp (its GGUF, its tokenisation) and in ours (the same weights in
+    our class, our tokenizer), both scored llama-perplexity's way on the same text file."""
+    import torch
+
+    bin_ = Path(a.build) / "bin"
+    text = text_file.read_text()
+    engine_text_ids = llama_tokenize(bin_, gguf_path, text_file, bos=False)
+    engine_ids = llama_tokenize(bin_, gguf_path, text_file, bos=True)
+    bos = engine_ids[:len(engine_ids) - len(engine_text_ids)]  # [BOS] when the vocabulary adds one, else []
+    ours_ids = bos + tok(text, add_special_tokens=False).input_ids
+    first_mismatch = next((i for i, (x, y) in enumerate(zip(engine_ids, ours_ids)) if x != y),
+                          None if len(engine_ids) == len(ours_ids) else min(len(engine_ids), len(ours_ids)))
+    vocab_bytes = gguf_token_bytes(gguf_path)
+    cmd = [str(bin_ / "llama-perplexity"), "-m", str(gguf_path), "-f", str(text_file), "-c", str(a.ctx),
+           "-b", str(a.ctx), "--chunks", str(a.chunks), "-t", str(a.threads), "--ppl-output-type", "1", *RAW_TEXT]
+    cmd += ["-ctk", a.kv, "-ctv", a.kv]
+    t = time.perf_counter()
+    engine = parse_perplexity(_run(cmd, log, a.timeout))
+    engine["seconds"] = time.perf_counter() - t
+    first = a.ctx // 2
+    scored = [p for i in range(engine["chunks"]) for p in range(i * a.ctx + first + 1, (i + 1) * a.ctx)]
+    engine["scored_tokens"] = len(scored)
+    engine["nll"] = engine["mean_nll"] * len(scored)
+    engine["scored_bytes"] = sum(vocab_bytes[engine_ids[p]] for p in scored)
+    engine["loss_per_byte"] = engine["nll"] / engine["scored_bytes"]
+    engine["command"] = " ".join(Path(c).name if i in (0, 2, 4) else c for i, c in enumerate(cmd))
+    key = (id(model), tuple(ours_ids))
+    if key not in _OURS:  # one model measured against two GGUFs of it (the teacher as shipped and in F32)
+        t = time.perf_counter()
+        ours = perplexity_like_llama_cpp(model, ours_ids, a.ctx, a.chunks, bos[0] if bos else None)
+        nbytes = token_bytes(tok, ours_ids)
+        ours["scored_bytes"] = sum(nbytes[p] for p in ours.pop("scored_positions"))
+        ours["loss_per_byte"] = ours["nll"] / ours["scored_bytes"]
+        ours["seconds"] = time.perf_counter() - t
+        _OURS[key] = ours
+    ours = _OURS[key]
+    out = {"gguf": {"name": gguf_path.name, "sha256": sha256(gguf_path), "bytes": gguf_path.stat().st_size},
+           "engine": engine, "ours": ours,
+           "engine_over_ours": engine["loss_per_byte"] / ours["loss_per_byte"],
+           "text_ids_equal": engine_ids == ours_ids, "engine_tokens": len(engine_ids), "ours_tokens": len(ours_ids),
+           "first_mismatch": first_mismatch,
+           # every byte of the file in llama.cpp's tokens: what it scored is the text as written
+           "engine_token_bytes": sum(vocab_bytes[i] for i in engine_text_ids), "text_bytes": len(text.encode())}
+    if first_mismatch is not None:
+        i = first_mismatch
+        out["mismatch"] = {"engine": tok.convert_ids_to_tokens(engine_ids[max(0, i - 2):i + 3]),
+                           "ours": tok.convert_ids_to_tokens(ours_ids[max(0, i - 2):i + 3])}
+    print(f"{name}: loss/byte engine {engine['loss_per_byte']:.5f} ours {ours['loss_per_byte']:.5f} "
+          f"(x{out['engine_over_ours']:.5f}); ppl engine {engine['ppl']:.4f} ours {ours['ppl']:.4f}; "
+          f"ids equal {out['text_ids_equal']}", flush=True)
+    return out
+
+
+def run_bytes(a) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from taylor_calibrate.export.gguf import export_gguf
+    from taylor_calibrate.results import record
+    from taylor_calibrate.teacher import load_teacher, load_tokenizer, teacher_gguf_path
+
+    if not (a.teacher or a.hybrid):
+        raise SystemExit("bytes: pass --teacher, --hybrid or both")
+    bin_ = Path(a.build) / "bin"
+    missing = [t for t in ("llama-tokenize", "llama-perplexity") if not (bin_ / t).is_file()]
+    if missing:
+        raise SystemExit(f"bytes: {', '.join(missing)} not in {bin_}; build them with benchmarks/build_llamacpp.sh")
+    stage = Path(a.stage)
+    stage.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(a.threads)
+    text_file = stage / "heldout.txt"
+    text_file.write_text(heldout_text(a.text_bytes))
+    log = stage / "llama_log.txt"
+    result = {"engine": "llama.cpp on the CPU (llama-tokenize, llama-perplexity), built by "
+                        "benchmarks/build_llamacpp.sh ... cpu", "version": a.engine_version,
+              "text": {"source": "the default corpus's held-out split (CorpusSpec())", "bytes": len(
+                  text_file.read_text().encode())},
+              "ctx": a.ctx, "chunks": a.chunks, "kv": a.kv, "models": {}}
+    if a.teacher:
+        path = Path(a.teacher_gguf) if a.teacher_gguf else teacher_gguf_path(a.teacher)
+        if path is None:
+            raise SystemExit(f"bytes: teacher {a.teacher!r} is not a GGUF; pass its GGUF as --teacher_gguf")
+        teacher = load_teacher(a.teacher, dtype=torch.float32)
+        result["models"]["teacher"] = {"spec": a.teacher, **loss_per_byte_of(
+            "teacher", teacher.model, teacher.tokenizer, path, text_file, a, log)}
+        if a.teacher_f32:  # the weights our load dequantised to, in fp32 arithmetic: the tokenisation alone differs
+            f32 = stage / "teacher_f32.gguf"
+            if not f32.exists():
+                _run([str(bin_ / "llama-quantize"), "--allow-requantize", str(path), str(f32), "F32"], log, a.timeout)
+            if not f32.exists():
+                raise SystemExit(f"bytes: llama-quantize did not write {f32}; see {log}")
+            result["models"]["teacher_f32"] = {"spec": a.teacher, "requantised": f"{path.name} -> F32 (llama-quantize "
+                                               "--allow-requantize)", **loss_per_byte_of(
+                "teacher_f32", teacher.model, teacher.tokenizer, f32, text_file, a, log)}
+        del teacher
+    if a.hybrid:
+        path = Path(a.hybrid_gguf) if a.hybrid_gguf else stage / "hybrid_f32_gguf" / "model.gguf"
+        if not path.exists():
+            export_gguf(a.hybrid, path.parent, ftype="f32")
+        model = AutoModelForCausalLM.from_pretrained(a.hybrid, dtype=torch.float32).eval()
+        result["models"]["hybrid"] = {"dir": Path(a.hybrid).name, "convert": a.convert_command, **loss_per_byte_of(
+            "hybrid", model, load_tokenizer(a.hybrid), path, text_file, a, log)}
+    record(a.out, result, a, command=a.command)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="step", required=True)
@@ -435,8 +615,28 @@ def main(argv=None) -> None:
     c.add_argument("--command", default=None, help="the command lines that produced the inputs, for the record")
     c.add_argument("--note", default="")
     c.add_argument("--not_run", default="")
+    b = sub.add_parser("bytes")
+    b.add_argument("--build", required=True, help="llama.cpp build folder (tools under BUILD/bin)")
+    b.add_argument("--teacher", default=None, help="a GGUF teacher spec (e.g. smollm2-135m): its GGUF in llama.cpp "
+                   "against load_teacher's model and tokenizer")
+    b.add_argument("--teacher_gguf", default=None, help="the teacher's GGUF (default: the one --teacher loads)")
+    b.add_argument("--teacher_f32", action="store_true", help="also the teacher's GGUF requantised to F32 by "
+                   "llama-quantize (needs it in BUILD/bin)")
+    b.add_argument("--hybrid", default=None, help="a `convert --target qwen3_5` output directory")
+    b.add_argument("--hybrid_gguf", default=None, help="its GGUF (default: exported in fp32 into --stage)")
+    b.add_argument("--stage", required=True, help="folder for the text, the export and llama.cpp's log")
+    b.add_argument("--out", required=True)
+    b.add_argument("--text_bytes", type=int, default=400_000)
+    b.add_argument("--ctx", type=int, default=1024)
+    b.add_argument("--chunks", type=int, default=32)
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--kv", default="f32", choices=["f32", "f16"], help="llama.cpp's KV cache type")
+    b.add_argument("--timeout", type=float, default=3600, help="seconds for one llama-perplexity run")
+    b.add_argument("--engine_version", default="")
+    b.add_argument("--convert_command", default="")
+    b.add_argument("--command", default=None, help="the command lines that produced the inputs, for the record")
     a = p.parse_args(argv)
-    {"prepare": run_prepare, "device": run_device, "collect": run_collect}[a.step](a)
+    {"prepare": run_prepare, "device": run_device, "collect": run_collect, "bytes": run_bytes}[a.step](a)
 
 
 if __name__ == "__main__":

@@ -242,6 +242,15 @@ _DIGIT_SPLIT_PRE = frozenset({"smollm", "starcoder", "refact", "command-r", "cod
                               "mellum2"})
 
 
+# llama.cpp pre-tokenizers whose BPE takes a pre-token that is itself a vocabulary entry whole, without merging
+# (llama-vocab.cpp's ignore_merges; tokenizer.json: model.ignore_merges, which Llama 3's has), which transformers' GGUF
+# tokenizer does not set: without it a word such as " Việt" comes out in pieces that llama.cpp and the original
+# tokenizer give as one token.
+IGNORE_MERGES_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                               "jina-v5-nano", "minicpm5", "youtu", "glm4", "glm5", "tekken",
+                               "granite-embed-multi-97m"})
+
+
 def gguf_pre_tokenizer(path: str | Path) -> str | None:
     """A GGUF's `tokenizer.ggml.pre` (llama.cpp's name for how text is split before BPE), or None."""
     try:  # transformers' reader parses only what is asked (milliseconds); gguf's reads every array (seconds)
@@ -258,10 +267,13 @@ def with_gguf_split(tokenizer, path: str | Path):
     from tokenizers import pre_tokenizers
 
     backend = tokenizer.backend_tokenizer
-    state = json.loads(backend.to_str()).get("pre_tokenizer") or {}
-    if gguf_pre_tokenizer(path) in _DIGIT_SPLIT_PRE and state.get("type") == "ByteLevel" and state.get("use_regex"):
+    state = json.loads(backend.to_str())
+    pre, split = gguf_pre_tokenizer(path), state.get("pre_tokenizer") or {}
+    if pre in _DIGIT_SPLIT_PRE and split.get("type") == "ByteLevel" and split.get("use_regex"):
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                          pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    if pre in IGNORE_MERGES_PRE and (state.get("model") or {}).get("type") == "BPE":
+        backend.model.ignore_merges = True
     return tokenizer
 
 

@@ -2,6 +2,7 @@
 llama.cpp's loader reads; with llama-cpp-python installed, llama.cpp's logits equal our hybrid's."""
 import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,20 +124,23 @@ def _family_tokenizer(family, texts):
            "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                               pre_tokenizers.ByteLevel(add_prefix_space=False)]),
            "llama-bpe": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"), byte_level]),
-           "qwen2": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated"), byte_level])}[family]
+           "qwen2": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated"), byte_level])}
+    pre["smaug-bpe"] = pre["llama-bpe"]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre
+    tok.pre_tokenizer = pre[family]
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
+    tok.model.ignore_merges = family == "llama-bpe"  # as Llama 3's tokenizer.json; smaug-bpe: its split, every merge
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
-FAMILIES = ("gpt-2", "smollm", "llama-bpe", "qwen2")
-# digits, contractions, runs of spaces and newlines, punctuation, non-ASCII: where the pre-tokenizers differ
+FAMILIES = ("gpt-2", "smollm", "llama-bpe", "smaug-bpe", "qwen2")
+# digits, contractions, runs of spaces and newlines, punctuation, non-ASCII, backslash escapes as source code writes
+# them: where the pre-tokenizers (and a tool reading text through escape processing) differ
 TEXT = ("The river's 12345 stones don't move;  they've   waited 2024 years.\n\n\tdef f(x):\n        return x+1  # ok\n"
-        "Grüße, naïve café — 3.14159 and 1,000,000!\r\n  end  ")
+        "Grüße, naïve café — 3.14159 and 1,000,000!\r\n    print('a\\tb\\n', r\"\\d+\")\n  end  ")
 
 
 def export_family(tmp_path, family):
@@ -169,23 +173,49 @@ def test_gguf_refuses_a_pre_tokenizer_llama_cpp_would_split_differently(tmp_path
     assert not (tmp_path / "gguf").exists()
 
 
-def _llama_cpp_tokenize(path, text):
-    """Token ids llama.cpp gives `text` (no BOS), through llama-cpp-python or a `llama-tokenize` binary; None when
-    neither is here."""
+def test_gguf_refuses_a_recorded_pre_tokenizer_whose_merges_the_tokenizer_does_not_follow(tmp_path):
+    """A GGUF teacher's recorded `llama-bpe` (llama.cpp takes a word that is a vocabulary entry whole) with a saved
+    tokenizer.json that always merges (as transformers' GGUF loader built it before teacher.with_gguf_split set
+    ignore_merges): refused, naming the setting to change."""
+    from taylor_calibrate.teacher import GGUF_TOKENIZER_KEY
+
+    tok = _family_tokenizer("smaug-bpe", [p.read_text() for p in sorted(tiny_corpus(tmp_path / "corpus").iterdir())])
+    tok.init_kwargs[GGUF_TOKENIZER_KEY] = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe"}
+    _, hybrid = tiny_hybrid(gdn_layers=(0, 1, 2), vocab_size=VOCAB)
+    save_hybrid(hybrid, tok, tmp_path / "hybrid")
+    with pytest.raises(ValueError, match="'llama-bpe'.*ignore_merges True.*ignore_merges False.*\"ignore_merges\" in "
+                                         "tokenizer.json to true"):
+        export_gguf(tmp_path / "hybrid", tmp_path / "gguf")
+    assert not (tmp_path / "gguf").exists()
+
+
+def _llama_tokenize_binary():
     import os
     import shutil
+
+    return os.environ.get("LLAMA_TOKENIZE") or shutil.which("llama-tokenize")
+
+
+NO_LLAMA_CPP = "neither llama-cpp-python nor llama-tokenize (PATH or $LLAMA_TOKENIZE) is here"
+
+
+def _llama_cpp_tokenize(path, text):
+    """Token ids llama.cpp gives `text` (no BOS; the text of a special token, such as SmolLM2's `<filename>` in
+    held-out source, as that token: the model's tokenizer does so), through llama-cpp-python or a `llama-tokenize`
+    binary (told to read the text as written: by default it processes escapes such as `\\n`); None when neither is
+    here."""
     import subprocess
 
     if importlib.util.find_spec("llama_cpp") is not None:
         import llama_cpp
 
         llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-        return llm.tokenize(text.encode(), add_bos=False, special=False)
-    binary = os.environ.get("LLAMA_TOKENIZE") or shutil.which("llama-tokenize")
+        return llm.tokenize(text.encode(), add_bos=False, special=True)
+    binary = _llama_tokenize_binary()
     if binary is None:
         return None
-    out = subprocess.run([binary, "-m", str(path), "--stdin", "--ids", "--no-bos", "--log-disable"], input=text,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([binary, "-m", str(path), "--stdin", "--ids", "--no-bos", "--log-disable", "--no-escape"],
+                         input=text, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -195,7 +225,7 @@ def test_llama_cpp_tokenises_text_like_the_model(tmp_path, family):
     tok, path = export_family(tmp_path, family)
     theirs = _llama_cpp_tokenize(path, TEXT)
     if theirs is None:
-        pytest.skip("neither llama-cpp-python nor llama-tokenize (PATH or $LLAMA_TOKENIZE) is here")
+        pytest.skip(NO_LLAMA_CPP)
     assert theirs == tok(TEXT, add_special_tokens=False).input_ids
 
 
@@ -219,6 +249,80 @@ def test_gguf_tokenizer_metadata_equals_the_embedded_teachers(tmp_path):
     for k in keys:
         assert _field(ours, k) == _field(theirs, k), k
     assert _field(ours, "tokenizer.ggml.pre") == "smollm"
+
+
+@pytest.mark.slow
+def test_llama_cpp_tokenises_held_out_text_like_the_embedded_teacher(tmp_path):
+    """Text, not ids, for the embedded teacher (a GGUF, pre-tokenizer `smollm`): llama.cpp's own tokeniser on a
+    hybrid's GGUF export and on the teacher's own GGUF gives the ids of the tokenizer the hybrid saves (the one it was
+    converted and is evaluated with), on TEXT and on every held-out document of the default corpus (Python source:
+    digits after runs of spaces, escapes, non-ASCII) joined into one text."""
+    if importlib.util.find_spec("llama_cpp") is None and _llama_tokenize_binary() is None:
+        pytest.skip(NO_LLAMA_CPP)
+    from taylor_calibrate.config import CorpusSpec
+    from taylor_calibrate.data import load_documents, split_documents
+    from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, embedded_teacher_path, gguf_tokenizer_metadata,
+                                          load_tokenizer)
+
+    teacher = embedded_teacher_path()
+    tok = load_tokenizer("smollm2-135m")
+    tok.init_kwargs[GGUF_TOKENIZER_KEY] = gguf_tokenizer_metadata(teacher)  # as `convert` records it
+    _, hybrid = tiny_hybrid(gdn_layers=(0, 1, 2), vocab_size=len(tok))
+    save_hybrid(hybrid, tok, tmp_path / "hybrid")
+    path = export_gguf(tmp_path / "hybrid", tmp_path / "gguf")
+    spec = CorpusSpec()
+    _, heldout = split_documents(load_documents(spec), spec.heldout_fraction, source=spec.source)
+    text = "\n\n".join([TEXT, *(t for _, t in heldout)])
+    ours = load_tokenizer(str(tmp_path / "hybrid"))(text, add_special_tokens=False).input_ids
+    assert len(heldout) > 10 and len(ours) > 100_000
+    for gguf_file in (path, teacher):
+        theirs = _llama_cpp_tokenize(gguf_file, text)
+        i = next((i for i, (x, y) in enumerate(zip(theirs, ours)) if x != y), min(len(theirs), len(ours)))
+        assert theirs == ours, (gguf_file.name, i, tok.convert_ids_to_tokens(theirs[max(0, i - 2):i + 3]),
+                                tok.convert_ids_to_tokens(ours[max(0, i - 2):i + 3]))
+
+
+# Vocabularies llama.cpp ships for its own tokenizer tests (its source's models/ folder, $LLAMA_CPP_VOCABS): the
+# real tokenizers of the supported families it tokenises as byte-level BPE, with test strings (.inp) and the original
+# tokenizer's ids for them (.out). Llama 2 / Mistral (SentencePiece) and Gemma 3 have no GGUF export here.
+REAL_VOCABS = {"llama-bpe": "Llama 3", "qwen2": "Qwen2 and Qwen3"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(REAL_VOCABS))
+def test_llama_cpp_tokenises_text_like_a_real_family_tokenizer(tmp_path, name):
+    """A real family vocabulary as a GGUF teacher's: our tokenizer (teacher.load_tokenizer) gives the original
+    tokenizer's ids on llama.cpp's test strings, and a hybrid saved with it, exported with the teacher's recorded
+    tokenizer metadata or with the pre-tokenizer named from tokenizer.json alone, tokenises those strings and TEXT in
+    llama.cpp as ours does."""
+    import os
+
+    from taylor_calibrate.teacher import GGUF_TOKENIZER_KEY, gguf_tokenizer_metadata, load_tokenizer
+
+    folder = os.environ.get("LLAMA_CPP_VOCABS")
+    if not folder:
+        pytest.skip("$LLAMA_CPP_VOCABS (llama.cpp's models/ folder, with ggml-vocab-*.gguf) is not set")
+    if importlib.util.find_spec("llama_cpp") is None and _llama_tokenize_binary() is None:
+        pytest.skip(NO_LLAMA_CPP)
+    vocab = Path(folder) / f"ggml-vocab-{name}.gguf"
+    tok = load_tokenizer(str(vocab))
+    strings = Path(f"{vocab}.inp").read_text().split("\n__ggml_vocab_test__\n")
+    originals = Path(f"{vocab}.out").read_text().split("\n")
+    assert len(strings) > 40
+    for text, want in zip(strings, originals):
+        assert tok(text, add_special_tokens=False).input_ids == [int(x) for x in want.split()], text
+    text = "\n\n".join([TEXT, *strings])
+    ours = tok(text, add_special_tokens=False).input_ids
+    _, hybrid = tiny_hybrid(gdn_layers=(0, 1, 2), vocab_size=len(tok))
+    for recorded in (True, False):
+        if recorded:
+            tok.init_kwargs[GGUF_TOKENIZER_KEY] = gguf_tokenizer_metadata(vocab)
+        else:
+            tok.init_kwargs.pop(GGUF_TOKENIZER_KEY)
+        save_hybrid(hybrid, tok, tmp_path / f"hybrid{recorded}")
+        path = export_gguf(tmp_path / f"hybrid{recorded}", tmp_path / f"gguf{recorded}")
+        assert _field(gguf.GGUFReader(str(path)), "tokenizer.ggml.pre") == name
+        assert _llama_cpp_tokenize(path, text) == ours, recorded
 
 
 def test_convert_of_an_exported_model_names_it_and_the_teacher_to_pass(tmp_path, capsys):

@@ -88,3 +88,17 @@ def test_gguf_split_left_alone_for_other_pre_tokenizers(monkeypatch):
     monkeypatch.setattr(teacher_mod, "gguf_pre_tokenizer", lambda path: "llama-bpe")
     tok = teacher_mod.load_tokenizer()
     assert tok.convert_ids_to_tokens(tok("\n    0x1f")["input_ids"])[:2] == ["ĊĠĠĠ", "Ġ"]
+
+
+@pytest.mark.parametrize("pre,whole", [("llama-bpe", True), ("qwen2", False)])
+def test_gguf_tokenizer_takes_vocabulary_words_whole_where_llama_cpp_does(monkeypatch, pre, whole):
+    """llama.cpp's Llama 3 pre-tokenizers (IGNORE_MERGES_PRE) take a pre-token that is a vocabulary entry whole
+    (ignore_merges), which transformers' GGUF tokenizer does not: set where the GGUF's pre-tokenizer says so (on the
+    real Llama 3 vocabulary against the original tokenizer and llama.cpp: tests/test_export_gguf.py)."""
+    import json
+
+    import taylor_calibrate.teacher as teacher_mod
+
+    monkeypatch.setattr(teacher_mod, "gguf_pre_tokenizer", lambda path: pre)
+    tok = teacher_mod.load_tokenizer()
+    assert json.loads(tok.backend_tokenizer.to_str())["model"]["ignore_merges"] is whole

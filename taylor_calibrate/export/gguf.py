@@ -22,7 +22,7 @@ import torch
 
 from taylor_calibrate.export.qwen3_5 import _load_hybrid_files, qwen3_5_config, qwen3_5_state_dict
 from taylor_calibrate.model.hybrid_config import MIXER_TYPE
-from taylor_calibrate.teacher import GGUF_TOKENIZER_KEY
+from taylor_calibrate.teacher import GGUF_TOKENIZER_KEY, IGNORE_MERGES_PRE
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -49,17 +49,19 @@ def _gguf_tensor(name: str, w: torch.Tensor, tensor_map) -> tuple[str, np.ndarra
     return f"{mapped}.{suffix}", w.numpy()
 
 
-# tokenizer.json's pre-tokenizer (its steps, reduced to what decides the split) -> llama.cpp's name for the same split
-# (`tokenizer.ggml.pre`, llama-vocab.cpp). A pre-tokenizer not listed is refused: llama.cpp would split text its own
-# way and tokenise differently from the model's tokenizer.
+# tokenizer.json's pre-tokenizer (its steps, reduced to what decides the split) and its BPE's ignore_merges (a
+# pre-token that is a vocabulary entry is taken whole) -> llama.cpp's name for the same tokenisation
+# (`tokenizer.ggml.pre`, llama-vocab.cpp, which also decides ignore_merges: teacher.IGNORE_MERGES_PRE). A pair not
+# listed is refused: llama.cpp would tokenise text differently from the model's tokenizer.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 PRE_TOKENIZERS = {
-    (("ByteLevel", True),): "gpt-2",
-    (("Digits", True), ("ByteLevel", True)): "smollm",
-    (("Split", _LLAMA3_SPLIT), ("ByteLevel", False)): "llama-bpe",
-    (("Split", _QWEN2_SPLIT), ("ByteLevel", False)): "qwen2",
+    ((("ByteLevel", True),), False): "gpt-2",
+    ((("Digits", True), ("ByteLevel", True)), False): "smollm",
+    ((("Split", _LLAMA3_SPLIT), ("ByteLevel", False)), True): "llama-bpe",  # Llama 3's tokenizer.json
+    ((("Split", _LLAMA3_SPLIT), ("ByteLevel", False)), False): "smaug-bpe",  # Llama 3's split, every merge applied
+    ((("Split", _QWEN2_SPLIT), ("ByteLevel", False)), False): "qwen2",
 }
 
 
@@ -80,12 +82,12 @@ def pre_tokenizer_name(tok: dict, path: Path) -> str:
     for one llama.cpp does not split the same way (a Metaspace / SentencePiece tokenizer, an unknown regex)."""
     pre = tok.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    key = tuple(_pre_step(s) for s in steps)
+    key = (tuple(_pre_step(s) for s in steps), bool(tok["model"].get("ignore_merges")))
     if key not in PRE_TOKENIZERS:
-        raise ValueError(f"gguf export: the pre-tokenizer of {path} ({', '.join(str(k[0]) for k in key) or 'none'}) "
-                         f"is not one llama.cpp is known here to split the same way (byte-level BPE as "
-                         f"{', '.join(sorted(PRE_TOKENIZERS.values()))}); llama.cpp would tokenise text differently "
-                         "from the model, so no GGUF is written")
+        raise ValueError(f"gguf export: the pre-tokenizer of {path} ({', '.join(str(k[0]) for k in key[0]) or 'none'}"
+                         f"; ignore_merges {key[1]}) is not one llama.cpp is known here to split the same way "
+                         f"(byte-level BPE as {', '.join(sorted(PRE_TOKENIZERS.values()))}); llama.cpp would tokenise "
+                         "text differently from the model, so no GGUF is written")
     return PRE_TOKENIZERS[key]
 
 
@@ -110,6 +112,13 @@ def _add_tokenizer(writer, src: Path, config: dict) -> None:
         raise ValueError(f"gguf export: the teacher's GGUF tokenizer is {recorded['tokenizer.ggml.model']!r}; this "
                          "exporter writes byte-level BPE ('gpt2') only")
     pre = recorded.get("tokenizer.ggml.pre") or pre_tokenizer_name(tok, path)
+    whole = pre in IGNORE_MERGES_PRE  # llama.cpp takes a word that is a vocabulary entry whole
+    if whole != bool(model.get("ignore_merges")):
+        raise ValueError(f"gguf export: llama.cpp's pre-tokenizer {pre!r} (recorded from the teacher's GGUF) runs BPE "
+                         f"with ignore_merges {whole}, but {path} has ignore_merges {not whole}: llama.cpp would "
+                         "tokenise some words differently from the model, so no GGUF is written (a hybrid converted "
+                         "from a GGUF teacher before its tokenizer set this: set \"ignore_merges\" in tokenizer.json "
+                         f"to {str(whole).lower()}, which is how the teacher's GGUF tokenises)")
     vocab = dict(model["vocab"])
     added = {t["content"]: bool(t.get("special")) for t in tok.get("added_tokens", [])}
     vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})

@@ -1,0 +1,76 @@
+"""benchmarks/serve_llamacpp.py's `bytes` step (held-out loss per byte through llama.cpp's own tokenisation against
+ours): the byte count of a GGUF's tokens, the parse of llama-perplexity's output, and, with llama.cpp's tools built
+(`llama-tokenize` and `llama-perplexity` side by side, found as the tests of test_export_gguf.py find llama-tokenize),
+the whole step on a tiny hybrid."""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from taylor_calibrate.checkpoint import save_hybrid
+from taylor_calibrate.export.gguf import export_gguf
+
+from conftest import VOCAB, load_benchmark, tiny_corpus, tiny_tokenizer
+from test_export_gguf import TEXT
+from test_export_qwen3_5 import tiny_hybrid
+
+pytest.importorskip("gguf")
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def saved_hybrid(tmp_path):
+    tok = tiny_tokenizer([p.read_text() for p in sorted(tiny_corpus(tmp_path / "corpus").iterdir())])
+    _, hybrid = tiny_hybrid(gdn_layers=(0, 1, 2), vocab_size=VOCAB)
+    save_hybrid(hybrid, tok, tmp_path / "hybrid")
+    return tok, tmp_path / "hybrid"
+
+
+def test_gguf_token_bytes_count_every_byte_of_the_text(tmp_path):
+    """Bytes per id from the GGUF's own token list: over the tokens of a text they add up to its UTF-8 length
+    (multi-byte characters split across tokens included); the EOS (a control token) counts none."""
+    mod = load_benchmark("serve_llamacpp")
+    tok, hybrid = saved_hybrid(tmp_path)
+    sizes = mod.gguf_token_bytes(export_gguf(hybrid, tmp_path / "gguf"))
+    ids = tok(TEXT, add_special_tokens=False).input_ids
+    assert sum(sizes[i] for i in ids) == len(TEXT.encode()) > len(TEXT)
+    assert sizes[tok.eos_token_id] == 0
+    assert max(sizes[i] for i in ids) > 1  # merged tokens stand for several bytes
+
+
+def test_parse_perplexity_reads_the_mean_nll_of_the_last_chunk():
+    mod = load_benchmark("serve_llamacpp")
+    log = ("perplexity: calculating perplexity over 2 chunks, n_ctx=64, batch_size=64, n_seq=1\n"
+           "       0  3.1000  1.131402  0.051000\n      64  3.2000  1.163151  0.049000\n\n"
+           "Final estimate: PPL = 3.2000 +/- 0.04900\n")
+    assert mod.parse_perplexity(log) == {"ppl": 3.2, "stderr": 0.049, "mean_nll": 1.163151, "chunks": 2}
+    with pytest.raises(ValueError, match="no perplexity in llama-perplexity's output"):
+        mod.parse_perplexity("main: error: failed to load model\n")
+
+
+def _build_dir():
+    binary = os.environ.get("LLAMA_TOKENIZE") or shutil.which("llama-tokenize")
+    if binary is None or not (Path(binary).parent / "llama-perplexity").is_file():
+        return None
+    return Path(binary).resolve().parent.parent
+
+
+@pytest.mark.skipif(_build_dir() is None, reason="llama-tokenize and llama-perplexity (PATH or $LLAMA_TOKENIZE's "
+                    "folder) are not here")
+def test_bytes_step_on_a_tiny_hybrid(tmp_path):
+    """llama.cpp tokenises the held-out text (Python source) as our tokenizer does, reads every byte of it, and its
+    loss per byte on the fp32 GGUF (fp32 KV) equals ours."""
+    mod = load_benchmark("serve_llamacpp")
+    _, hybrid = saved_hybrid(tmp_path)
+    out = tmp_path / "bytes.json"
+    mod.main(["bytes", "--build", str(_build_dir()), "--hybrid", str(hybrid), "--stage", str(tmp_path / "stage"),
+              "--out", str(out), "--text_bytes", "6000", "--ctx", "64", "--chunks", "4", "--threads", "1"])
+    res = json.loads(out.read_text())
+    m = res["models"]["hybrid"]
+    assert m["text_ids_equal"] and m["first_mismatch"] is None
+    assert m["engine_token_bytes"] == m["text_bytes"] == res["text"]["bytes"] > 6000
+    assert m["engine"]["chunks"] == m["ours"]["chunks"] == 4 and m["engine"]["scored_tokens"] == 4 * 31
+    assert m["engine"]["scored_bytes"] == m["ours"]["scored_bytes"]
+    assert abs(m["engine_over_ours"] - 1) < 1e-4
+    assert "commit" in res and "dirty" in res and "/" not in m["engine"]["command"].split()[2]
