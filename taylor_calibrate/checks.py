@@ -27,6 +27,7 @@ _OUTPUT_MARKS = {
     "ablate": [("ablation.json", None)],
     "recovery": [("recovery.json", None), ("runs", None), ("mixers", None)],
     "tradeoff": [("tradeoff.json", None)],
+    "damage": [("damage.json", None)],
     "tokenize": [("tokens.json", None)],
     "export": [],  # never written into a non-empty directory
 }
