@@ -74,3 +74,22 @@ def test_every_command_that_writes_has_output_marks():
 
     writers = {name for name, (_, fn) in COMMANDS.items() if fn.__code__.co_name == "run"}  # wrapped by writes_out
     assert writers and writers <= set(checks._OUTPUT_MARKS), writers - set(checks._OUTPUT_MARKS)
+
+
+# --- `report` of a damaged results file -------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["env_list", "commit_number", "args_string", "pipe"])
+def test_report_of_a_damaged_results_file_or_a_pipe_is_one_line(rw, damage):
+    """Valid JSON whose provenance keys have the wrong type was an AttributeError in `render`; a pipe was said not to
+    exist."""
+    root, teacher, corpus, hybrid, _ = rw
+    f = root / f"report_{damage}.json"
+    f.unlink(missing_ok=True)
+    if damage == "pipe":
+        os.mkfifo(f)
+        fails(main("report", "--file", f), r"report_pipe\.json is not a regular file", "pass a results JSON file")
+        return
+    rep = json.loads((hybrid / "report.json").read_text())
+    key, value = {"env_list": ("env", ["cpu"]), "commit_number": ("commit", 5), "args_string": ("args", "x")}[damage]
+    f.write_text(json.dumps({**rep, key: value}))
+    fails(main("report", "--file", f), rf"report_{damage}\.json is not a results file", f"{key} is a",
+          "run the command that wrote it again")
