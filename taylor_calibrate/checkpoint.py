@@ -217,6 +217,27 @@ def check_json_files(path: Path, fix: str) -> None:
             raise ValueError(f"{f} is not a JSON object (it holds a {type(data).__name__}): it is damaged; {fix}")
 
 
+def _attention_heads_problems(heads: dict, types: list, base: dict) -> list[str]:
+    """attention_heads must give every head-wise layer (and only those) the KV groups it keeps: distinct group
+    indices of the teacher's, some but not all of them."""
+    from taylor_calibrate.model.hybrid_config import HEADWISE_TYPES
+
+    headwise = {str(i) for i, t in enumerate(types) if t in HEADWISE_TYPES.values()}
+    kv = base.get("num_key_value_heads") or base.get("num_attention_heads")
+    problems = []
+    if set(heads) != headwise:
+        problems.append(f"attention_heads names layers {sorted(heads, key=str)} where layer_types has head-wise "
+                        f"layers {sorted(headwise, key=int)}")
+    for layer, groups in heads.items():
+        ok = isinstance(groups, list) and groups and all(isinstance(g, int) and not isinstance(g, bool) for g in groups)
+        ok = ok and len(set(groups)) == len(groups) and (not isinstance(kv, int) or
+                                                          (all(0 <= g < kv for g in groups) and len(groups) < kv))
+        if not ok:
+            problems.append(f"attention_heads[{layer!r}] = {groups!r} is not a list of the KV groups the layer keeps "
+                            f"(distinct integers in [0, {kv}), fewer than {kv})")
+    return problems
+
+
 def check_hybrid_config(path: Path, cfg: dict, fix: str) -> None:
     """A hybrid's config.json must have the shape `convert` writes: a layer kind per layer of its base config, its
     options, its teacher a path or null, and none of the keys the config computes. Anything else would load another
@@ -241,6 +262,16 @@ def check_hybrid_config(path: Path, cfg: dict, fix: str) -> None:
     mixer = cfg.get("mixer") if isinstance(cfg.get("mixer"), str) else "gdn"
     if mixer in cfg and not isinstance(cfg[mixer], dict):
         problems.append(f"{mixer} (the mixer's options) is of type {type(cfg[mixer]).__name__}, not an object")
+    elif isinstance(cfg.get(mixer), dict):
+        from taylor_calibrate.model.mixers import get_spec
+
+        try:  # values of the wrong type or out of range fail in the model's constructor, far from the file
+            get_spec(mixer).options(cfg[mixer])
+        except (TypeError, ValueError) as e:
+            problems.append(f"its {mixer} options are not valid ({e})")
+    if isinstance(types, list) and all(t in kinds for t in types) and isinstance(cfg.get("attention_heads") or {}, dict):
+        problems += _attention_heads_problems(cfg.get("attention_heads") or {}, types, base if isinstance(base, dict)
+                                              else {})
     computed = sorted({"gdn_layers", "mixer_options"} & set(cfg))
     if computed:
         problems.append(f"it sets {computed}, which the config computes from layer_types")

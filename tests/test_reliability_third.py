@@ -93,3 +93,73 @@ def test_report_of_a_damaged_results_file_or_a_pipe_is_one_line(rw, damage):
     f.write_text(json.dumps({**rep, key: value}))
     fails(main("report", "--file", f), rf"report_{damage}\.json is not a results file", f"{key} is a",
           "run the command that wrote it again")
+
+
+# --- export reads the model directory as the loader does --------------------------------------------------------
+def _config_edit(kind):
+    def gdn(key, value):
+        def edit(cfg):
+            cfg["gdn"][key] = value
+            return json.dumps(cfg)
+        return edit
+    return {"list": lambda cfg: "[]", "not_json": lambda cfg: '{"model_type": "taylor_hybrid",',
+            "conv_size_text": gdn("conv_size", "four"), "unknown_option": gdn("conv_kernel", 4),
+            "gate_bogus": gdn("gate", "relu")}[kind]
+
+
+EXPORT_DAMAGE = {"list": r"config\.json is not a JSON object", "not_json": r"config\.json is not valid JSON",
+                 "conv_size_text": r"config\.json is not a hybrid config .*gdn options are not valid",
+                 "unknown_option": r"unknown GDN option\(s\) \['conv_kernel'\]",
+                 "gate_bogus": r"gate='relu' is not one of"}
+
+
+@pytest.mark.parametrize("damage", EXPORT_DAMAGE)
+def test_export_of_a_damaged_config_is_one_line(rw, damage):
+    """Valid JSON of the wrong shape was an AttributeError, options of the wrong type a TypeError in the model's
+    constructor, invalid JSON a bare decoder message without the file."""
+    root, teacher, corpus, hybrid, exportable = rw
+    m = _copy(exportable, root / f"export_{damage}")
+    (m / "config.json").write_text(_config_edit(damage)(json.loads((m / "config.json").read_text())))
+    out = root / f"exported_{damage}"
+    fails(main("export", "--model", m, "--out", out), EXPORT_DAMAGE[damage], "convert")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["export", "eval"])
+def test_a_hybrid_config_with_mixer_options_of_the_wrong_type_is_named(rw, command):
+    root, teacher, corpus, hybrid, _ = rw
+    m = _copy(hybrid, root / f"opts_{command}")
+    cfg = json.loads((m / "config.json").read_text())
+    cfg["gdn"]["norm_eps"] = "1e-5"
+    (m / "config.json").write_text(json.dumps(cfg))
+    argv = {"export": ["export", "--model", m, "--out", root / "opts_out"],
+            "eval": ["eval", "--model", m, "--data.source", corpus, *EVAL, "--out", root / "opts_eval_report"]}[command]
+    fails(main(*argv), r"opts_\w+/config\.json is not a hybrid config .*gdn options are not valid")
+
+
+def test_an_export_whose_config_is_a_pipe_is_refused_not_waited_on(rw):
+    root, teacher, corpus, hybrid, exportable = rw
+    m = _copy(exportable, root / "export_pipe")
+    (m / "config.json").unlink()
+    os.mkfifo(m / "config.json")
+    r = subprocess.run(_cmd(["export", "--model", m, "--out", root / "exported_pipe"]), env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    fails((r.returncode, r.stdout + r.stderr), r"config\.json is not a regular file")
+    assert not (root / "exported_pipe").exists()
+
+
+@pytest.mark.parametrize("heads", [{"1": "all"}, {"1": [0, 0]}, {"1": [5]}, {"1": [0, 1]}, {"2": [0]}, {}])
+def test_attention_heads_of_the_wrong_shape_are_named(tmp_path, heads):
+    """A head-wise hybrid's kept KV groups (attention_heads) must be distinct groups of the teacher, some but not all,
+    for every head-wise layer: anything else was a TypeError deep in the model's constructor, or another model."""
+    from conftest import tiny_saved_hybrid
+
+    hybrid, _ = tiny_saved_hybrid(tmp_path)
+    cfg = json.loads((hybrid / "config.json").read_text())
+    assert cfg["attention_heads"] == {"1": [1], "2": [0]}
+    cfg["attention_heads"] = {**cfg["attention_heads"], **heads} if heads else {}
+    if heads == {"2": [0]}:
+        cfg["attention_heads"] = {"2": [0]}
+    (hybrid / "config.json").write_text(json.dumps(cfg))
+    fails(main("export", "--model", hybrid, "--out", tmp_path / "q"), r"config\.json is not a hybrid config",
+          "attention_heads")
