@@ -163,3 +163,55 @@ def test_attention_heads_of_the_wrong_shape_are_named(tmp_path, heads):
     (hybrid / "config.json").write_text(json.dumps(cfg))
     fails(main("export", "--model", hybrid, "--out", tmp_path / "q"), r"config\.json is not a hybrid config",
           "attention_heads")
+
+
+# --- a checkpoint's state.json of the wrong shape ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run(rw):
+    root, teacher, corpus, hybrid, _ = rw
+    out = root / "run"
+    succeeds(cli("distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--out", out))
+    return out
+
+
+def _newest_state(run_dir: Path) -> Path:
+    return sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "state.json"
+
+
+STATE_DAMAGE = {
+    "step_text": lambda s: s.update(step=str(s["step"])),
+    "step_float": lambda s: s.update(step=float(s["step"])),
+    "step_bool": lambda s: s.update(step=True),
+    "groups_lr_text": lambda s: s.update(param_groups=[{**g, "lr": "x"} for g in s["param_groups"]]),
+    "groups_no_params": lambda s: s.update(param_groups=[{"lr": 1e-3}]),
+}
+
+
+@pytest.mark.parametrize("damage", STATE_DAMAGE)
+def test_a_state_json_of_the_wrong_shape_falls_back_to_the_previous_checkpoint(rw, run, damage):
+    """A step that is a string or a float (it passed int() and the name check, then broke the resume with a
+    TypeError), param groups that are not an optimizer's (a KeyError inside torch's set_state_dict): the newest
+    checkpoint is damaged, the run resumes from the one before to the unbroken run's metrics."""
+    root, teacher, corpus, hybrid, _ = rw
+    o = _copy(run, root / f"state_{damage}")
+    f = _newest_state(o)
+    state = json.loads(f.read_text())
+    STATE_DAMAGE[damage](state)
+    f.write_text(json.dumps(state))
+    log = succeeds(cli("distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--out", o))
+    assert "step_00000004 is damaged" in log and "resuming from the previous checkpoint step_00000003" in log, log[-2000:]
+    steps = [json.loads(line)["step"] for line in (o / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_checkpoint_of_the_wrong_shape_is_one_line(rw, run):
+    root, teacher, corpus, hybrid, _ = rw
+    o = _copy(run, root / "state_all")
+    for f in (o / "checkpoints").glob("step_*/state.json"):
+        state = json.loads(f.read_text())
+        state["step"] = str(state["step"])
+        f.write_text(json.dumps(state))
+    before = tree(o)
+    fails(cli("distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--out", o), "no usable checkpoint",
+          r"records step '\d+'", "--resume false")
+    assert tree(o) == before
