@@ -455,6 +455,10 @@ def corpus_stamp(source: str) -> dict | None:
     return {"path": str(root), "files": len(named), "sha1": _listing_sha1(named)}
 
 
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def read_token_meta(root: str | Path) -> dict:
     """tokens.json of a token-shard directory, checked: the shape `write_tokens` writes and shard files that hold the
     token counts it records. A damaged one is an error naming the file and the fix."""
@@ -468,9 +472,10 @@ def read_token_meta(root: str | Path) -> dict:
     ok = (isinstance(meta, dict) and isinstance(meta.get("tokens"), dict) and isinstance(meta.get("tokenizer"), str)
           and meta.get("dtype") in ("uint16", "uint32") and isinstance(meta.get("source"), str)
           and isinstance(meta.get("corpus"), (dict, type(None)))
-          and all(isinstance(meta["tokens"].get(s), int) and meta["tokens"][s] >= 0 for s in SIDES))
+          and all(_count(meta["tokens"].get(s)) for s in SIDES)
+          and isinstance(meta.get("documents"), dict) and all(_count(meta["documents"].get(s)) for s in SIDES))
     if not ok:
-        raise ValueError(f"{f} is not a token-shard description (tokens, tokenizer, dtype); {fix}")
+        raise ValueError(f"{f} is not a token-shard description (tokens, documents, tokenizer, dtype); {fix}")
     for side in SIDES:
         shard = root / f"{side}.bin"
         want = meta["tokens"][side] * np.dtype(meta["dtype"]).itemsize

@@ -215,3 +215,25 @@ def test_every_checkpoint_of_the_wrong_shape_is_one_line(rw, run):
     fails(cli("distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--out", o), "no usable checkpoint",
           r"records step '\d+'", "--resume false")
     assert tree(o) == before
+
+
+# --- tokens.json's document counts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("documents", [None, {"calib": "many", "heldout": 3}, {"calib": -1, "heldout": 3}, [1, 2]])
+def test_tokenize_again_over_a_tokens_json_with_damaged_document_counts(rw, documents):
+    """Tokenising again into shards whose tokens.json lost its document counts was a KeyError, and counts that are not
+    numbers a format error ("Cannot specify ',' with 's'."): the file is named, with the fix."""
+    root, teacher, corpus, hybrid, _ = rw
+    shards = root / "shards_ok"
+    if not shards.exists():
+        succeeds(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", shards))
+    s = _copy(shards, root / "shards_docs")
+    meta = json.loads((s / "tokens.json").read_text())
+    if documents is None:
+        del meta["documents"]
+    else:
+        meta["documents"] = documents
+    (s / "tokens.json").write_text(json.dumps(meta))
+    before = tree(s)
+    fails(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", s),
+          r"shards_docs/tokens\.json is not a token-shard description", "tokenise the corpus again")
+    assert tree(s) == before
