@@ -182,17 +182,21 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
                                                            trust_remote_code=False)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError) as e:
+        if "custom code" in str(e):
+            raise ValueError(f"{path} needs custom code (an auto_map in its config), which taylor-calibrate never "
+                             "runs; pass a hybrid made by `convert` or a checkpoint of a supported architecture") from None
         raise ValueError(f"could not load the model in {path}: {e}") from e
     check_loaded(path, info, fix)
     check_report(path, model.config)
     check_finite(model, str(path), "the file is damaged or the run that wrote it diverged; " + fix)
     tokenizer = None
     if any(path.glob("tokenizer*")):
+        from taylor_calibrate.teacher import tokenizer_error
+
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         except Exception as e:  # a damaged tokenizer file surfaces as whatever its reader meets
-            raise ValueError(f"could not load the tokenizer in {path} ({type(e).__name__}: {e}): its tokenizer files "
-                             "are damaged; copy them again from the teacher it was converted from") from e
+            raise tokenizer_error(str(path), e, "copy them again from the teacher it was converted from") from e
     return model.to(device).eval(), tokenizer
 
 
@@ -200,9 +204,24 @@ _JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
                "special_tokens_map.json")  # report.json: model.loading.check_report
 
 
+_READ_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".gguf")
+
+
+def check_regular_files(path: Path, fix: str) -> None:
+    """What transformers' loaders read in a model directory (its JSON files, tokenizer files, vocabularies, merges,
+    chat templates, weights) must be regular files: a pipe would block the reader for ever, a device or a directory
+    fail deep inside it."""
+    for f in sorted(Path(path).iterdir()):
+        if (f.name.startswith("tokenizer") or f.suffix in _READ_SUFFIXES) and not f.is_file():
+            what = (f"a link to {os.readlink(f)}, which does not exist" if f.is_symlink() and not f.exists() else
+                    "not a regular file (a directory, pipe, socket or device)")
+            raise ValueError(f"{f} is {what}; {fix}")
+
+
 def check_json_files(path: Path, fix: str) -> None:
     """The JSON files a model directory may hold must be regular files (a pipe would block the reader) holding a
-    JSON object."""
+    JSON object; so must every other file a loader reads there (`check_regular_files`)."""
+    check_regular_files(path, fix)
     for name in _JSON_FILES:
         f = path / name
         if not f.exists():

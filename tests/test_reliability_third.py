@@ -237,3 +237,81 @@ def test_tokenize_again_over_a_tokens_json_with_damaged_document_counts(rw, docu
     fails(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", s),
           r"shards_docs/tokens\.json is not a token-shard description", "tokenise the corpus again")
     assert tree(s) == before
+
+
+# --- tokenizer files: damaged, pipes, unreadable ----------------------------------------------------------------
+def test_tokenize_with_a_model_whose_tokenizer_json_is_damaged(rw):
+    """`tokenize --model` loaded the tokenizer without the loader's wrapper: a KeyError from transformers."""
+    root, teacher, corpus, hybrid, _ = rw
+    m = _copy(hybrid, root / "tok_damaged")
+    (m / "tokenizer.json").write_text('{"model": 5}')
+    fails(main("tokenize", "--model", m, "--data.source", corpus, "--out", root / "tok_damaged_out"),
+          r"could not load the tokenizer in .*tok_damaged", "its tokenizer files are damaged", "copy them again")
+    assert not (root / "tok_damaged_out").exists()
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                  "generation_config.json"])
+def test_a_pipe_among_a_teachers_tokenizer_files_is_named(rw, name):
+    """A pipe where the teacher's tokenizer files belong: refused naming it (the tokenizer's reader blocked on some,
+    and on tokenizer.json said "download them again")."""
+    root, teacher, corpus, hybrid, _ = rw
+    t = _copy(teacher, root / f"pipe_teacher_{name.split('.')[0]}")
+    (t / name).unlink(missing_ok=True)
+    os.mkfifo(t / name)
+    for argv in (["convert", "--teacher", t, "--data.source", corpus, *SMALL, "--out", root / "pipe_out"],
+                 ["tokenize", "--model", t, "--data.source", corpus, "--out", root / "pipe_out"]):
+        r = subprocess.run(_cmd(argv), env=ENV, capture_output=True, text=True, timeout=300)
+        fails((r.returncode, r.stdout + r.stderr), rf"{name.replace('.', '[.]')} is not a regular file",
+              "restore it from the original checkpoint")
+    assert not (root / "pipe_out").exists()
+
+
+def test_an_unreadable_tokenizer_file_says_permissions_not_damage(rw):
+    """As a process that permission bits stop (root without its capabilities, or a user): a teacher or model whose
+    tokenizer.json cannot be read is named with the fix (permissions), not "download them again"."""
+    root, teacher, corpus, hybrid, _ = rw
+    prefix = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    if prefix and not shutil.which("setpriv"):
+        pytest.skip("root without setpriv: permission bits do not apply")
+    t = _copy(teacher, root / "unreadable_teacher")
+    m = _copy(hybrid, root / "unreadable_model")
+    for d in (t, m):
+        (d / "tokenizer.json").chmod(0o000)
+    try:
+        for argv in (["convert", "--teacher", t, "--data.source", corpus, *SMALL, "--out", root / "unreadable_out"],
+                     ["tokenize", "--model", m, "--data.source", corpus, "--out", root / "unreadable_out"],
+                     ["eval", "--model", m, "--data.source", corpus, *EVAL, "--out", root / "unreadable_out"]):
+            r = subprocess.run([*prefix, *_cmd(argv)], env=ENV, capture_output=True, text=True, timeout=300)
+            fails((r.returncode, r.stdout + r.stderr),
+                  r"(cannot read|Permission denied:) .*unreadable_\w+/tokenizer\.json", "fix (its|the) permissions")
+    finally:
+        for d in (t, m):
+            (d / "tokenizer.json").chmod(0o644)
+    assert not (root / "unreadable_out").exists()
+
+
+@pytest.mark.parametrize("command", ["tokenize", "eval"])
+def test_a_tokenizer_or_model_needing_custom_code_says_it_is_never_run(rw, command):
+    """The same sentence as convert and distill give, not transformers' "contains custom code which must be
+    executed"; the directory's code does not run."""
+    root, teacher, corpus, hybrid, _ = rw
+    d = _copy(teacher if command == "tokenize" else hybrid, root / f"custom_{command}")
+    marker = root / f"ran_{command}"
+    if command == "tokenize":
+        tok = json.loads((d / "tokenizer_config.json").read_text())
+        tok.update(auto_map={"AutoTokenizer": ["evil.EvilTok", "evil.EvilTok"]}, tokenizer_class="EvilTok")
+        (d / "tokenizer_config.json").write_text(json.dumps(tok))
+        argv = ["tokenize", "--model", d, "--data.source", corpus, "--out", root / "custom_out"]
+    else:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(model_type="evil_arch", auto_map={"AutoConfig": "evil.EvilConfig",
+                                                     "AutoModelForCausalLM": "evil.EvilModel"})
+        (d / "config.json").write_text(json.dumps(cfg))
+        argv = ["eval", "--model", d, "--data.source", corpus, *EVAL, "--out", root / "custom_out"]
+    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                               "from transformers import LlamaConfig as EvilConfig, LlamaForCausalLM as EvilModel\n"
+                               "from transformers import PreTrainedTokenizerFast as EvilTok\n")
+    r = subprocess.run(_cmd(argv), env=ENV, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    fails((r.returncode, r.stdout + r.stderr), "needs custom code", "never runs")
+    assert not marker.exists() and not (root / "custom_out").exists()
