@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from taylor_calibrate.config import DistillArgs, TrainArgs, apply_profile, apply_train_profile
 from taylor_calibrate.checks import (check_context, check_out, check_same_layers, check_same_vocab,
-                                    check_teacher_origin, writes_out)
+                                    check_teacher_origin, check_token_cache, writes_out)
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
@@ -824,6 +824,7 @@ def run_distill(args: DistillArgs) -> dict:
     student.set_backend(backend)
     teacher_spec = check_teacher_origin(args.student, student.config.teacher_name, args.teacher)
     check_out(args.out, "distill", overwrite=args.overwrite, inputs={"student's teacher": teacher_spec})
+    check_token_cache(args.data.token_cache, {"student's teacher": teacher_spec})
     if tokenizer is None:
         raise FileNotFoundError(f"{args.student} has no tokenizer files; save one beside the model")
     check_context(args.data.seq_len, student.config, args.data.beyond_context, "student")

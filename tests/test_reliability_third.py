@@ -315,3 +315,31 @@ def test_a_tokenizer_or_model_needing_custom_code_says_it_is_never_run(rw, comma
     r = subprocess.run(_cmd(argv), env=ENV, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     fails((r.returncode, r.stdout + r.stderr), "needs custom code", "never runs")
     assert not marker.exists() and not (root / "custom_out").exists()
+
+
+# --- the token cache is never written into an input -------------------------------------------------------------
+def test_a_token_cache_inside_the_corpus_is_refused(rw):
+    """--data.token_cache inside --data.source wrote the cache's shards and locks into the user's corpus."""
+    root, teacher, corpus, hybrid, _ = rw
+    for cache in (corpus, corpus / ".cache"):
+        fails(main("tokenize", "--model", teacher, "--data.source", corpus, "--data.token_cache", cache,
+                   "--out", root / "cache_out"), "--data.token_cache .* (is|lies inside) the --data.source directory",
+              "outside it")
+    assert not (root / "cache_out").exists()
+
+
+def test_a_token_cache_in_the_students_teacher_is_refused(rw):
+    """distill's teacher is the one the student records (no --teacher given): the cache may not go into it."""
+    root, teacher, corpus, hybrid, _ = rw
+    fails(main("distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--data.token_cache", teacher / "c",
+               "--out", root / "cache_run"), "lies inside the student's teacher directory", "--data.token_cache")
+    assert not (root / "cache_run").exists()
+
+
+def test_a_token_cache_from_the_environment_inside_an_input_is_named(rw):
+    root, teacher, corpus, hybrid, _ = rw
+    r = subprocess.run(_cmd(["tokenize", "--model", teacher, "--data.source", corpus, "--out", root / "cache_env"]),
+                       env={**ENV, "TAYLOR_CALIBRATE_TOKEN_CACHE": str(teacher / "tokens")}, capture_output=True,
+                       text=True, timeout=300)
+    fails((r.returncode, r.stdout + r.stderr), r"\$TAYLOR_CALIBRATE_TOKEN_CACHE=.* lies inside the --model directory")
+    assert not (root / "cache_env").exists()
