@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -581,11 +582,19 @@ def write_tokens(spec: CorpusSpec, tokenizer, out: str | Path, rebuild: bool = F
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
-    """A hard link (shards are never written in place, so a link is as good as a copy), else a copy."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
+    """A hard link (shards are never written in place, so a link is as good as a copy), else a copy. A link shares
+    its file's mode: only a file already of the mode this run's umask gives is linked, so that making `dst` readable
+    as this run's umask says never changes the cache's file, nor an earlier output linked to it (made under another
+    umask)."""
+    from taylor_calibrate.results import umask
+
+    if stat.S_IMODE(src.stat().st_mode) == 0o666 & ~umask():
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copyfile(src, dst)
 
 
 # The token cache: shards written once per (corpus as it is now, tokenizer, split), shared by every command and run

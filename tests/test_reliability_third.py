@@ -343,3 +343,29 @@ def test_a_token_cache_from_the_environment_inside_an_input_is_named(rw):
                        text=True, timeout=300)
     fails((r.returncode, r.stdout + r.stderr), r"\$TAYLOR_CALIBRATE_TOKEN_CACHE=.* lies inside the --model directory")
     assert not (root / "cache_env").exists()
+
+
+# --- outputs linked from the token cache keep their own modes ---------------------------------------------------
+def test_a_later_tokenize_under_another_umask_leaves_an_earlier_outputs_modes(rw, tmp_path):
+    """Shards are hard links of the cache's files, and a link shares its file's mode: a second `tokenize` under
+    umask 022 made the first one's files (written under umask 077, private) readable by everyone, and the cache's."""
+    root, teacher, corpus, hybrid, _ = rw
+    cache, private, shared = tmp_path / "cache", tmp_path / "private", tmp_path / "shared"
+
+    def tokenize(out, mask):
+        r = subprocess.run(_cmd(["tokenize", "--model", teacher, "--data.source", corpus, "--data.token_cache", cache,
+                                 "--out", out]), env=ENV, capture_output=True, text=True, timeout=300,
+                           preexec_fn=lambda: os.umask(mask))
+        return succeeds((r.returncode, r.stdout + r.stderr))
+
+    def modes(d):
+        return {p.name: stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()}
+
+    tokenize(private, 0o077)
+    assert set(modes(private).values()) == {0o600}
+    tokenize(shared, 0o022)
+    assert set(modes(shared).values()) == {0o644}
+    assert set(modes(private).values()) == {0o600}, modes(private)
+    entry = next(p for p in cache.iterdir() if p.name != ".locks")
+    assert set(modes(entry).values()) == {0o600}, modes(entry)
+    assert (shared / "calib.bin").read_bytes() == (private / "calib.bin").read_bytes()
