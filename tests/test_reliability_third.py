@@ -369,3 +369,20 @@ def test_a_later_tokenize_under_another_umask_leaves_an_earlier_outputs_modes(rw
     entry = next(p for p in cache.iterdir() if p.name != ".locks")
     assert set(modes(entry).values()) == {0o600}, modes(entry)
     assert (shared / "calib.bin").read_bytes() == (private / "calib.bin").read_bytes()
+
+
+# --- seeds ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--seed", "--phase2.seed"])
+def test_a_seed_too_large_for_the_generators_is_refused_at_parse(rw, flag):
+    """A seed past 64 bits failed deep in torch with "Overflow when unpacking long long", after the teacher loaded."""
+    root, teacher, corpus, hybrid, _ = rw
+    rc, log = main("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, flag, str(2 ** 70),
+                   "--out", root / "seed_out")
+    fails((rc, log), rf"{flag}={2 ** 70} is out of range", "magnitude below 2\\*\\*53")
+    assert "loading teacher" not in log and not (root / "seed_out").exists()
+
+
+def test_seeds_of_a_tradeoff_are_checked_too(rw):
+    root, teacher, corpus, hybrid, _ = rw
+    fails(main("tradeoff", "--teacher", teacher, "--data.source", corpus, "--seeds", f"[0, {2 ** 64}]",
+               "--out", root / "seed_t"), r"--seeds=\d+ is out of range")
