@@ -182,17 +182,21 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
                                                            trust_remote_code=False)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError) as e:
+        if "custom code" in str(e):
+            raise ValueError(f"{path} needs custom code (an auto_map in its config), which taylor-calibrate never "
+                             "runs; pass a hybrid made by `convert` or a checkpoint of a supported architecture") from None
         raise ValueError(f"could not load the model in {path}: {e}") from e
     check_loaded(path, info, fix)
     check_report(path, model.config)
     check_finite(model, str(path), "the file is damaged or the run that wrote it diverged; " + fix)
     tokenizer = None
     if any(path.glob("tokenizer*")):
+        from taylor_calibrate.teacher import tokenizer_error
+
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         except Exception as e:  # a damaged tokenizer file surfaces as whatever its reader meets
-            raise ValueError(f"could not load the tokenizer in {path} ({type(e).__name__}: {e}): its tokenizer files "
-                             "are damaged; copy them again from the teacher it was converted from") from e
+            raise tokenizer_error(str(path), e, "copy them again from the teacher it was converted from") from e
     return model.to(device).eval(), tokenizer
 
 
@@ -200,9 +204,24 @@ _JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
                "special_tokens_map.json")  # report.json: model.loading.check_report
 
 
+_READ_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".gguf")
+
+
+def check_regular_files(path: Path, fix: str) -> None:
+    """What transformers' loaders read in a model directory (its JSON files, tokenizer files, vocabularies, merges,
+    chat templates, weights) must be regular files: a pipe would block the reader for ever, a device or a directory
+    fail deep inside it."""
+    for f in sorted(Path(path).iterdir()):
+        if (f.name.startswith("tokenizer") or f.suffix in _READ_SUFFIXES) and not f.is_file():
+            what = (f"a link to {os.readlink(f)}, which does not exist" if f.is_symlink() and not f.exists() else
+                    "not a regular file (a directory, pipe, socket or device)")
+            raise ValueError(f"{f} is {what}; {fix}")
+
+
 def check_json_files(path: Path, fix: str) -> None:
     """The JSON files a model directory may hold must be regular files (a pipe would block the reader) holding a
-    JSON object."""
+    JSON object; so must every other file a loader reads there (`check_regular_files`)."""
+    check_regular_files(path, fix)
     for name in _JSON_FILES:
         f = path / name
         if not f.exists():
@@ -215,6 +234,27 @@ def check_json_files(path: Path, fix: str) -> None:
             raise ValueError(f"{f} is not valid JSON ({e}); {fix}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{f} is not a JSON object (it holds a {type(data).__name__}): it is damaged; {fix}")
+
+
+def _attention_heads_problems(heads: dict, types: list, base: dict) -> list[str]:
+    """attention_heads must give every head-wise layer (and only those) the KV groups it keeps: distinct group
+    indices of the teacher's, some but not all of them."""
+    from taylor_calibrate.model.hybrid_config import HEADWISE_TYPES
+
+    headwise = {str(i) for i, t in enumerate(types) if t in HEADWISE_TYPES.values()}
+    kv = base.get("num_key_value_heads") or base.get("num_attention_heads")
+    problems = []
+    if set(heads) != headwise:
+        problems.append(f"attention_heads names layers {sorted(heads, key=str)} where layer_types has head-wise "
+                        f"layers {sorted(headwise, key=int)}")
+    for layer, groups in heads.items():
+        ok = isinstance(groups, list) and groups and all(isinstance(g, int) and not isinstance(g, bool) for g in groups)
+        ok = ok and len(set(groups)) == len(groups) and (not isinstance(kv, int) or
+                                                          (all(0 <= g < kv for g in groups) and len(groups) < kv))
+        if not ok:
+            problems.append(f"attention_heads[{layer!r}] = {groups!r} is not a list of the KV groups the layer keeps "
+                            f"(distinct integers in [0, {kv}), fewer than {kv})")
+    return problems
 
 
 def check_hybrid_config(path: Path, cfg: dict, fix: str) -> None:
@@ -241,6 +281,16 @@ def check_hybrid_config(path: Path, cfg: dict, fix: str) -> None:
     mixer = cfg.get("mixer") if isinstance(cfg.get("mixer"), str) else "gdn"
     if mixer in cfg and not isinstance(cfg[mixer], dict):
         problems.append(f"{mixer} (the mixer's options) is of type {type(cfg[mixer]).__name__}, not an object")
+    elif isinstance(cfg.get(mixer), dict):
+        from taylor_calibrate.model.mixers import get_spec
+
+        try:  # values of the wrong type or out of range fail in the model's constructor, far from the file
+            get_spec(mixer).options(cfg[mixer])
+        except (TypeError, ValueError) as e:
+            problems.append(f"its {mixer} options are not valid ({e})")
+    if isinstance(types, list) and all(t in kinds for t in types) and isinstance(cfg.get("attention_heads") or {}, dict):
+        problems += _attention_heads_problems(cfg.get("attention_heads") or {}, types, base if isinstance(base, dict)
+                                              else {})
     computed = sorted({"gdn_layers", "mixer_options"} & set(cfg))
     if computed:
         problems.append(f"it sets {computed}, which the config computes from layer_types")

@@ -27,6 +27,7 @@ _OUTPUT_MARKS = {
     "ablate": [("ablation.json", None)],
     "recovery": [("recovery.json", None), ("runs", None), ("mixers", None)],
     "tradeoff": [("tradeoff.json", None)],
+    "damage": [("damage.json", None)],
     "tokenize": [("tokens.json", None)],
     "export": [],  # never written into a non-empty directory
 }
@@ -74,6 +75,28 @@ def _check_inputs(path: Path, out: str, inputs: dict[str, str | None], nested_ok
         kind = "directory" if src.is_dir() else "file"
         raise ValueError(f"{flag} {out} {what} the {name} {kind} {spec}: writing there would replace or change what "
                          f"the command reads; pass another {flag} (outside it)")
+
+
+_CACHE_COMMANDS = ("tokenize", "distill", "recovery", "tradeoff")  # the commands that write into the token cache
+
+
+def check_token_cache(option: str | None, inputs: dict[str, str | None]) -> None:
+    """The token cache (`--data.token_cache`, else $TAYLOR_CALIBRATE_TOKEN_CACHE, else ~/.cache/...) may not be, or
+    lie inside, an input directory: its entries and locks would be written into what the command reads (a corpus
+    whose files then change under it, a teacher's directory)."""
+    from taylor_calibrate.data import TOKEN_CACHE_ENV, token_cache_dir
+
+    cache = token_cache_dir(option).expanduser().resolve()
+    where = (f"--data.token_cache {option}" if option else f"${TOKEN_CACHE_ENV}={os.environ[TOKEN_CACHE_ENV]}"
+             if os.environ.get(TOKEN_CACHE_ENV) else f"the token cache {cache}")
+    for name, spec in inputs.items():
+        src = _local(spec)
+        if src is None or not (cache == src or (src.is_dir() and src in cache.parents)):
+            continue
+        what = "is" if cache == src else "lies inside"
+        raise ValueError(f"{where} {what} the {name} {'directory' if src.is_dir() else 'file'} {spec}: its token "
+                         "shards and locks would be written into what the command reads; pass --data.token_cache "
+                         "with a directory outside it")
 
 
 def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs: dict[str, str | None] | None = None,
@@ -222,6 +245,8 @@ def writes_out(command: str, out_of=lambda args: args.out, nested_ok: tuple[str,
             inputs = {f"--{k}": getattr(args, k, None) for k in ("teacher", "student", "model")}
             data = getattr(args, "data", None)
             inputs["--data.source"] = getattr(data, "source", None)
+            if command in _CACHE_COMMANDS and data is not None:
+                check_token_cache(getattr(data, "token_cache", None), inputs)
             with contextlib.ExitStack() as stack:
                 path = check_out(str(out_of(args)), command, overwrite=getattr(args, "overwrite", None),
                                  inputs=inputs, nested_ok=nested_ok, lock=stack)

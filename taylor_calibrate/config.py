@@ -708,6 +708,10 @@ def args_parser(args_cls, description: str | None = None) -> ArgumentParser:
     return parser
 
 
+SEED_LIMIT = 2 ** 53
+"""Seeds reach torch's generators (64-bit) multiplied by 1000 (`model.hybrid`: one per layer): below this they fit."""
+
+
 def check_finite_options(args, prefix: str = "--") -> None:
     """Refuse NaN and inf in every float option of an argument dataclass (nested ones and lists too): every comparison
     with NaN is false, so range checks let it through and it would silently turn off what it sets (a NaN grad_clip
@@ -719,6 +723,11 @@ def check_finite_options(args, prefix: str = "--") -> None:
         for v in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(v, float) and not math.isfinite(v):
                 raise ValueError(f"{name}={v} is not a finite number; pass a finite value")
+        if f.name in ("seed", "seeds") or f.name.endswith("_seed"):
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, int) and abs(v) >= SEED_LIMIT:
+                    raise ValueError(f"{name}={v} is out of range: a seed must be an integer of magnitude below 2**53 "
+                                     "(the random generators take 64 bits, and a layer's seed is derived from it)")
 
 
 def args_of(args_cls, namespace):

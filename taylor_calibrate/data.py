@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -455,6 +456,10 @@ def corpus_stamp(source: str) -> dict | None:
     return {"path": str(root), "files": len(named), "sha1": _listing_sha1(named)}
 
 
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def read_token_meta(root: str | Path) -> dict:
     """tokens.json of a token-shard directory, checked: the shape `write_tokens` writes and shard files that hold the
     token counts it records. A damaged one is an error naming the file and the fix."""
@@ -468,9 +473,10 @@ def read_token_meta(root: str | Path) -> dict:
     ok = (isinstance(meta, dict) and isinstance(meta.get("tokens"), dict) and isinstance(meta.get("tokenizer"), str)
           and meta.get("dtype") in ("uint16", "uint32") and isinstance(meta.get("source"), str)
           and isinstance(meta.get("corpus"), (dict, type(None)))
-          and all(isinstance(meta["tokens"].get(s), int) and meta["tokens"][s] >= 0 for s in SIDES))
+          and all(_count(meta["tokens"].get(s)) for s in SIDES)
+          and isinstance(meta.get("documents"), dict) and all(_count(meta["documents"].get(s)) for s in SIDES))
     if not ok:
-        raise ValueError(f"{f} is not a token-shard description (tokens, tokenizer, dtype); {fix}")
+        raise ValueError(f"{f} is not a token-shard description (tokens, documents, tokenizer, dtype); {fix}")
     for side in SIDES:
         shard = root / f"{side}.bin"
         want = meta["tokens"][side] * np.dtype(meta["dtype"]).itemsize
@@ -576,11 +582,19 @@ def write_tokens(spec: CorpusSpec, tokenizer, out: str | Path, rebuild: bool = F
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
-    """A hard link (shards are never written in place, so a link is as good as a copy), else a copy."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
+    """A hard link (shards are never written in place, so a link is as good as a copy), else a copy. A link shares
+    its file's mode: only a file already of the mode this run's umask gives is linked, so that making `dst` readable
+    as this run's umask says never changes the cache's file, nor an earlier output linked to it (made under another
+    umask)."""
+    from taylor_calibrate.results import umask
+
+    if stat.S_IMODE(src.stat().st_mode) == 0o666 & ~umask():
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copyfile(src, dst)
 
 
 # The token cache: shards written once per (corpus as it is now, tokenizer, split), shared by every command and run

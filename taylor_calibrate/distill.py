@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from taylor_calibrate.config import DistillArgs, TrainArgs, apply_profile, apply_train_profile
 from taylor_calibrate.checks import (check_context, check_out, check_same_layers, check_same_vocab,
-                                    check_teacher_origin, writes_out)
+                                    check_teacher_origin, check_token_cache, writes_out)
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
@@ -499,9 +499,14 @@ def read_checkpoint(ckpt: Path, model) -> tuple[dict, dict, dict]:
         meta = json.loads((ckpt / "state.json").read_text())
         if not isinstance(meta, dict):
             raise TypeError("state.json is not a JSON object")
-        step = int(meta["step"])
-        if ckpt.name != f"step_{step:08d}":
+        step = meta["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or ckpt.name != f"step_{step:08d}":
             raise ValueError(f"its state.json records step {meta['step']!r}, not the step of {ckpt.name}")
+        if not isinstance(meta["param_groups"], list) or not all(
+                isinstance(g, dict) and isinstance(g.get("params"), list) and isinstance(g.get("lr"), (int, float))
+                for g in meta["param_groups"]):
+            raise ValueError("its state.json's param_groups are not an optimizer's (a list of objects with params "
+                             "and lr)")
         msd = load_file(str(ckpt / "model.safetensors"))
         flat = load_file(str(ckpt / "optimizer.safetensors"))
         state: dict[str, dict] = {}
@@ -545,8 +550,13 @@ def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
             raise ValueError(f"--out {out} holds checkpoints of another run, which differs in: {'; '.join(diffs)}. "
                              "Pass a new --out, or --resume false to start this run over there (its checkpoints "
                              "are deleted)")
-        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd,
-                       options=_state_options(strict=False))  # frozen parameters are not in it; checked above
+        try:
+            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd,
+                           options=_state_options(strict=False))  # frozen parameters are not in it; checked above
+        except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as e:  # an optimizer state of another shape
+            damaged.append((ckpt, f"checkpoint {ckpt} is damaged (its optimizer state does not fit this run's "
+                                  f"optimizer: {type(e).__name__}: {e})"))
+            continue
         for bad, why in damaged:
             log.warning("%s; resuming from the previous checkpoint %s instead", why, ckpt.name)
             shutil.rmtree(bad, ignore_errors=True)  # later checkpoints of this run are rewritten from here
@@ -814,6 +824,7 @@ def run_distill(args: DistillArgs) -> dict:
     student.set_backend(backend)
     teacher_spec = check_teacher_origin(args.student, student.config.teacher_name, args.teacher)
     check_out(args.out, "distill", overwrite=args.overwrite, inputs={"student's teacher": teacher_spec})
+    check_token_cache(args.data.token_cache, {"student's teacher": teacher_spec})
     if tokenizer is None:
         raise FileNotFoundError(f"{args.student} has no tokenizer files; save one beside the model")
     check_context(args.data.seq_len, student.config, args.data.beyond_context, "student")

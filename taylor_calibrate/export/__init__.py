@@ -12,7 +12,7 @@ from taylor_calibrate.checks import writes_out
 from taylor_calibrate.config import ExportArgs
 from taylor_calibrate.model.hybrid_config import HEADWISE_TYPES
 from taylor_calibrate.export.gguf import export_gguf
-from taylor_calibrate.export.qwen3_5 import export_qwen3_5
+from taylor_calibrate.export.qwen3_5 import check_model_dir, export_qwen3_5
 
 
 def check_whole_layers(model: str) -> None:
@@ -32,6 +32,7 @@ def check_whole_layers(model: str) -> None:
 @writes_out("export")
 def run_export(args: ExportArgs) -> dict:
     """Export a converted hybrid to a format that inference engines run without our package."""
+    check_model_dir(Path(args.model))  # before anything reads its files (a pipe would block the reader)
     check_whole_layers(args.model)
     with write_errors(args.out):
         out = (export_gguf if args.format == "gguf" else export_qwen3_5)(args.model, args.out)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from taylor_calibrate.checkpoint import check_safetensors, check_state
+from taylor_calibrate.checkpoint import check_hybrid_config, check_json_files, check_safetensors, check_state
 from taylor_calibrate.model.hybrid_config import MIXER_TYPE, HybridConfig
 from taylor_calibrate.model.mixers import get_spec, spec_for_options
 from taylor_calibrate.model.mixers.calibration import constant_direction
@@ -228,12 +228,26 @@ def qwen3_5_state_dict(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> dic
     return out
 
 
-def _load_hybrid_files(path: Path) -> tuple[HybridConfig, dict[str, torch.Tensor]]:
+def check_model_dir(path: Path) -> dict:
+    """The config.json of a hybrid directory read as the loader reads it: the directory's JSON files regular files
+    holding objects (a pipe would block the reader), the config the shape `convert` writes. Returns the config."""
+    fix = "re-run `convert` into a new --out to rewrite it"
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory; pass the output directory of `convert`")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the output of `convert`")
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    check_json_files(path, fix)
+    cfg = json.loads((path / "config.json").read_text())
+    model_type = cfg.get("model_type")
     if model_type != HybridConfig.model_type:
         raise ValueError(f"{path} holds a {model_type!r} model, not a hybrid made by `convert` ({HybridConfig.model_type})")
+    check_hybrid_config(path, cfg, fix)
+    return cfg
+
+
+def _load_hybrid_files(path: Path) -> tuple[HybridConfig, dict[str, torch.Tensor]]:
+    path = Path(path)
+    check_model_dir(path)
     fix = "re-run `convert` into a new --out to rewrite it"
     files = check_safetensors(path, fix)
     if not files:
@@ -241,7 +255,10 @@ def _load_hybrid_files(path: Path) -> tuple[HybridConfig, dict[str, torch.Tensor
     state = {}
     for f in files:
         state.update(load_file(str(f)))
-    cfg = HybridConfig.from_pretrained(path)
+    try:
+        cfg = HybridConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"could not read the config of {path}: {e}; {fix}") from e
     check_state(path, cfg, state, fix)
     return cfg, state
 

@@ -1,0 +1,388 @@
+"""Reliability, third round (issue 40 re-checked with inputs of another sweep), through the CLI: each case the sweep
+found ends with exit 2 and one line naming the file or option and the fix (or, for the token cache, never writes into
+an input), and the user's directories hash the same before and after. Refusals that come before any model is loaded
+call the CLI's `main` in this process; a pipe that would block a reader runs in a subprocess with a deadline."""
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import VOCAB, tiny_local_teacher
+from test_reliability import ENV, _cmd, cli, fails, succeeds, tree
+from test_reliability_inputs import SMALL, main
+
+EVAL = ["--data.seq_len", "64", "--data.eval_seqs", "2", "--device", "cpu", "--backend", "torch"]
+TRAIN = ["--device", "cpu", "--backend", "torch", "--data.seq_len", "32", "--data.eval_seqs", "2",
+         "--eval_batch_size", "2", "--train.batch_size", "2", "--train.tokens", "256", "--train.log_every", "1",
+         "--train.save_every", "1"]
+
+
+@pytest.fixture(scope="module")
+def rw(tmp_path_factory):
+    """(root, teacher, corpus, a converted hybrid, an exportable hybrid)."""
+    from test_export_qwen3_5 import tiny_hybrid
+
+    from taylor_calibrate.checkpoint import save_hybrid
+    from taylor_calibrate.teacher import load_tokenizer
+
+    root = tmp_path_factory.mktemp("third")
+    teacher, corpus = tiny_local_teacher(root)
+    hybrid = root / "hybrid"
+    succeeds(cli("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", hybrid))
+    _, exportable = tiny_hybrid(vocab_size=VOCAB)
+    save_hybrid(exportable, load_tokenizer(str(hybrid)), root / "exportable")
+    return root, teacher, corpus, hybrid, root / "exportable"
+
+
+@pytest.fixture(autouse=True)
+def inputs_untouched(request):
+    if "rw" not in request.fixturenames:
+        yield
+        return
+    root, teacher, corpus, hybrid, exportable = request.getfixturevalue("rw")
+    before = [tree(p) for p in (teacher, corpus, hybrid, exportable)]
+    yield
+    assert [tree(p) for p in (teacher, corpus, hybrid, exportable)] == before
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    return dst
+
+
+# --- damage's --out ---------------------------------------------------------------------------------------------
+def test_damage_into_a_non_empty_out_is_refused_not_a_key_error(rw):
+    """`damage` checks its --out like every other command: a non-empty directory that is not an earlier damage output
+    needs --overwrite (it was a KeyError: damage had no entry among the commands' output marks)."""
+    root, teacher, corpus, hybrid, _ = rw
+    d = root / "mine"
+    d.mkdir(exist_ok=True)
+    (d / "notes.txt").write_text("mine\n")
+    fails(main("damage", "--teacher", teacher, "--data.source", corpus, "--out", d), "not an earlier `damage` output",
+          "--overwrite true")
+    assert tree(d) == {"notes.txt": tree(d)["notes.txt"]} and (d / "notes.txt").read_text() == "mine\n"
+
+
+def test_every_command_that_writes_has_output_marks():
+    from taylor_calibrate import checks
+    from taylor_calibrate.cli import COMMANDS
+
+    writers = {name for name, (_, fn) in COMMANDS.items() if fn.__code__.co_name == "run"}  # wrapped by writes_out
+    assert writers and writers <= set(checks._OUTPUT_MARKS), writers - set(checks._OUTPUT_MARKS)
+
+
+# --- `report` of a damaged results file -------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["env_list", "commit_number", "args_string", "pipe"])
+def test_report_of_a_damaged_results_file_or_a_pipe_is_one_line(rw, damage):
+    """Valid JSON whose provenance keys have the wrong type was an AttributeError in `render`; a pipe was said not to
+    exist."""
+    root, teacher, corpus, hybrid, _ = rw
+    f = root / f"report_{damage}.json"
+    f.unlink(missing_ok=True)
+    if damage == "pipe":
+        os.mkfifo(f)
+        fails(main("report", "--file", f), r"report_pipe\.json is not a regular file", "pass a results JSON file")
+        return
+    rep = json.loads((hybrid / "report.json").read_text())
+    key, value = {"env_list": ("env", ["cpu"]), "commit_number": ("commit", 5), "args_string": ("args", "x")}[damage]
+    f.write_text(json.dumps({**rep, key: value}))
+    fails(main("report", "--file", f), rf"report_{damage}\.json is not a results file", f"{key} is a",
+          "run the command that wrote it again")
+
+
+# --- export reads the model directory as the loader does --------------------------------------------------------
+def _config_edit(kind):
+    def gdn(key, value):
+        def edit(cfg):
+            cfg["gdn"][key] = value
+            return json.dumps(cfg)
+        return edit
+    return {"list": lambda cfg: "[]", "not_json": lambda cfg: '{"model_type": "taylor_hybrid",',
+            "conv_size_text": gdn("conv_size", "four"), "unknown_option": gdn("conv_kernel", 4),
+            "gate_bogus": gdn("gate", "relu")}[kind]
+
+
+EXPORT_DAMAGE = {"list": r"config\.json is not a JSON object", "not_json": r"config\.json is not valid JSON",
+                 "conv_size_text": r"config\.json is not a hybrid config .*gdn options are not valid",
+                 "unknown_option": r"unknown GDN option\(s\) \['conv_kernel'\]",
+                 "gate_bogus": r"gate='relu' is not one of"}
+
+
+@pytest.mark.parametrize("damage", EXPORT_DAMAGE)
+def test_export_of_a_damaged_config_is_one_line(rw, damage):
+    """Valid JSON of the wrong shape was an AttributeError, options of the wrong type a TypeError in the model's
+    constructor, invalid JSON a bare decoder message without the file."""
+    root, teacher, corpus, hybrid, exportable = rw
+    m = _copy(exportable, root / f"export_{damage}")
+    (m / "config.json").write_text(_config_edit(damage)(json.loads((m / "config.json").read_text())))
+    out = root / f"exported_{damage}"
+    fails(main("export", "--model", m, "--out", out), EXPORT_DAMAGE[damage], "convert")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["export", "eval"])
+def test_a_hybrid_config_with_mixer_options_of_the_wrong_type_is_named(rw, command):
+    root, teacher, corpus, hybrid, _ = rw
+    m = _copy(hybrid, root / f"opts_{command}")
+    cfg = json.loads((m / "config.json").read_text())
+    cfg["gdn"]["norm_eps"] = "1e-5"
+    (m / "config.json").write_text(json.dumps(cfg))
+    argv = {"export": ["export", "--model", m, "--out", root / "opts_out"],
+            "eval": ["eval", "--model", m, "--data.source", corpus, *EVAL, "--out", root / "opts_eval_report"]}[command]
+    fails(main(*argv), r"opts_\w+/config\.json is not a hybrid config .*gdn options are not valid")
+
+
+def test_an_export_whose_config_is_a_pipe_is_refused_not_waited_on(rw):
+    root, teacher, corpus, hybrid, exportable = rw
+    m = _copy(exportable, root / "export_pipe")
+    (m / "config.json").unlink()
+    os.mkfifo(m / "config.json")
+    r = subprocess.run(_cmd(["export", "--model", m, "--out", root / "exported_pipe"]), env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    fails((r.returncode, r.stdout + r.stderr), r"config\.json is not a regular file")
+    assert not (root / "exported_pipe").exists()
+
+
+@pytest.mark.parametrize("heads", [{"1": "all"}, {"1": [0, 0]}, {"1": [5]}, {"1": [0, 1]}, {"2": [0]}, {}])
+def test_attention_heads_of_the_wrong_shape_are_named(tmp_path, heads):
+    """A head-wise hybrid's kept KV groups (attention_heads) must be distinct groups of the teacher, some but not all,
+    for every head-wise layer: anything else was a TypeError deep in the model's constructor, or another model."""
+    from conftest import tiny_saved_hybrid
+
+    hybrid, _ = tiny_saved_hybrid(tmp_path)
+    cfg = json.loads((hybrid / "config.json").read_text())
+    assert cfg["attention_heads"] == {"1": [1], "2": [0]}
+    cfg["attention_heads"] = {**cfg["attention_heads"], **heads} if heads else {}
+    if heads == {"2": [0]}:
+        cfg["attention_heads"] = {"2": [0]}
+    (hybrid / "config.json").write_text(json.dumps(cfg))
+    fails(main("export", "--model", hybrid, "--out", tmp_path / "q"), r"config\.json is not a hybrid config",
+          "attention_heads")
+
+
+# --- a checkpoint's state.json of the wrong shape ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run(rw):
+    root, teacher, corpus, hybrid, _ = rw
+    out = root / "run"
+    succeeds(cli("distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--out", out))
+    return out
+
+
+def _newest_state(run_dir: Path) -> Path:
+    return sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "state.json"
+
+
+STATE_DAMAGE = {
+    "step_text": lambda s: s.update(step=str(s["step"])),
+    "step_float": lambda s: s.update(step=float(s["step"])),
+    "step_bool": lambda s: s.update(step=True),
+    "groups_lr_text": lambda s: s.update(param_groups=[{**g, "lr": "x"} for g in s["param_groups"]]),
+    "groups_no_params": lambda s: s.update(param_groups=[{"lr": 1e-3}]),
+}
+
+
+@pytest.mark.parametrize("damage", STATE_DAMAGE)
+def test_a_state_json_of_the_wrong_shape_falls_back_to_the_previous_checkpoint(rw, run, damage):
+    """A step that is a string or a float (it passed int() and the name check, then broke the resume with a
+    TypeError), param groups that are not an optimizer's (a KeyError inside torch's set_state_dict): the newest
+    checkpoint is damaged, the run resumes from the one before to the unbroken run's metrics."""
+    root, teacher, corpus, hybrid, _ = rw
+    o = _copy(run, root / f"state_{damage}")
+    f = _newest_state(o)
+    state = json.loads(f.read_text())
+    STATE_DAMAGE[damage](state)
+    f.write_text(json.dumps(state))
+    log = succeeds(cli("distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--out", o))
+    assert "step_00000004 is damaged" in log and "resuming from the previous checkpoint step_00000003" in log, log[-2000:]
+    steps = [json.loads(line)["step"] for line in (o / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_checkpoint_of_the_wrong_shape_is_one_line(rw, run):
+    root, teacher, corpus, hybrid, _ = rw
+    o = _copy(run, root / "state_all")
+    for f in (o / "checkpoints").glob("step_*/state.json"):
+        state = json.loads(f.read_text())
+        state["step"] = str(state["step"])
+        f.write_text(json.dumps(state))
+    before = tree(o)
+    fails(cli("distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--out", o), "no usable checkpoint",
+          r"records step '\d+'", "--resume false")
+    assert tree(o) == before
+
+
+# --- tokens.json's document counts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("documents", [None, {"calib": "many", "heldout": 3}, {"calib": -1, "heldout": 3}, [1, 2]])
+def test_tokenize_again_over_a_tokens_json_with_damaged_document_counts(rw, documents):
+    """Tokenising again into shards whose tokens.json lost its document counts was a KeyError, and counts that are not
+    numbers a format error ("Cannot specify ',' with 's'."): the file is named, with the fix."""
+    root, teacher, corpus, hybrid, _ = rw
+    shards = root / "shards_ok"
+    if not shards.exists():
+        succeeds(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", shards))
+    s = _copy(shards, root / "shards_docs")
+    meta = json.loads((s / "tokens.json").read_text())
+    if documents is None:
+        del meta["documents"]
+    else:
+        meta["documents"] = documents
+    (s / "tokens.json").write_text(json.dumps(meta))
+    before = tree(s)
+    fails(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", s),
+          r"shards_docs/tokens\.json is not a token-shard description", "tokenise the corpus again")
+    assert tree(s) == before
+
+
+# --- tokenizer files: damaged, pipes, unreadable ----------------------------------------------------------------
+def test_tokenize_with_a_model_whose_tokenizer_json_is_damaged(rw):
+    """`tokenize --model` loaded the tokenizer without the loader's wrapper: a KeyError from transformers."""
+    root, teacher, corpus, hybrid, _ = rw
+    m = _copy(hybrid, root / "tok_damaged")
+    (m / "tokenizer.json").write_text('{"model": 5}')
+    fails(main("tokenize", "--model", m, "--data.source", corpus, "--out", root / "tok_damaged_out"),
+          r"could not load the tokenizer in .*tok_damaged", "its tokenizer files are damaged", "copy them again")
+    assert not (root / "tok_damaged_out").exists()
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                  "generation_config.json"])
+def test_a_pipe_among_a_teachers_tokenizer_files_is_named(rw, name):
+    """A pipe where the teacher's tokenizer files belong: refused naming it (the tokenizer's reader blocked on some,
+    and on tokenizer.json said "download them again")."""
+    root, teacher, corpus, hybrid, _ = rw
+    t = _copy(teacher, root / f"pipe_teacher_{name.split('.')[0]}")
+    (t / name).unlink(missing_ok=True)
+    os.mkfifo(t / name)
+    for argv in (["convert", "--teacher", t, "--data.source", corpus, *SMALL, "--out", root / "pipe_out"],
+                 ["tokenize", "--model", t, "--data.source", corpus, "--out", root / "pipe_out"]):
+        r = subprocess.run(_cmd(argv), env=ENV, capture_output=True, text=True, timeout=300)
+        fails((r.returncode, r.stdout + r.stderr), rf"{name.replace('.', '[.]')} is not a regular file",
+              "restore it from the original checkpoint")
+    assert not (root / "pipe_out").exists()
+
+
+def test_an_unreadable_tokenizer_file_says_permissions_not_damage(rw):
+    """As a process that permission bits stop (root without its capabilities, or a user): a teacher or model whose
+    tokenizer.json cannot be read is named with the fix (permissions), not "download them again"."""
+    root, teacher, corpus, hybrid, _ = rw
+    prefix = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    if prefix and not shutil.which("setpriv"):
+        pytest.skip("root without setpriv: permission bits do not apply")
+    t = _copy(teacher, root / "unreadable_teacher")
+    m = _copy(hybrid, root / "unreadable_model")
+    for d in (t, m):
+        (d / "tokenizer.json").chmod(0o000)
+    try:
+        for argv in (["convert", "--teacher", t, "--data.source", corpus, *SMALL, "--out", root / "unreadable_out"],
+                     ["tokenize", "--model", m, "--data.source", corpus, "--out", root / "unreadable_out"],
+                     ["eval", "--model", m, "--data.source", corpus, *EVAL, "--out", root / "unreadable_out"]):
+            r = subprocess.run([*prefix, *_cmd(argv)], env=ENV, capture_output=True, text=True, timeout=300)
+            fails((r.returncode, r.stdout + r.stderr),
+                  r"(cannot read|Permission denied:) .*unreadable_\w+/tokenizer\.json", "fix (its|the) permissions")
+    finally:
+        for d in (t, m):
+            (d / "tokenizer.json").chmod(0o644)
+    assert not (root / "unreadable_out").exists()
+
+
+@pytest.mark.parametrize("command", ["tokenize", "eval"])
+def test_a_tokenizer_or_model_needing_custom_code_says_it_is_never_run(rw, command):
+    """The same sentence as convert and distill give, not transformers' "contains custom code which must be
+    executed"; the directory's code does not run."""
+    root, teacher, corpus, hybrid, _ = rw
+    d = _copy(teacher if command == "tokenize" else hybrid, root / f"custom_{command}")
+    marker = root / f"ran_{command}"
+    if command == "tokenize":
+        tok = json.loads((d / "tokenizer_config.json").read_text())
+        tok.update(auto_map={"AutoTokenizer": ["evil.EvilTok", "evil.EvilTok"]}, tokenizer_class="EvilTok")
+        (d / "tokenizer_config.json").write_text(json.dumps(tok))
+        argv = ["tokenize", "--model", d, "--data.source", corpus, "--out", root / "custom_out"]
+    else:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(model_type="evil_arch", auto_map={"AutoConfig": "evil.EvilConfig",
+                                                     "AutoModelForCausalLM": "evil.EvilModel"})
+        (d / "config.json").write_text(json.dumps(cfg))
+        argv = ["eval", "--model", d, "--data.source", corpus, *EVAL, "--out", root / "custom_out"]
+    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                               "from transformers import LlamaConfig as EvilConfig, LlamaForCausalLM as EvilModel\n"
+                               "from transformers import PreTrainedTokenizerFast as EvilTok\n")
+    r = subprocess.run(_cmd(argv), env=ENV, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    fails((r.returncode, r.stdout + r.stderr), "needs custom code", "never runs")
+    assert not marker.exists() and not (root / "custom_out").exists()
+
+
+# --- the token cache is never written into an input -------------------------------------------------------------
+def test_a_token_cache_inside_the_corpus_is_refused(rw):
+    """--data.token_cache inside --data.source wrote the cache's shards and locks into the user's corpus."""
+    root, teacher, corpus, hybrid, _ = rw
+    for cache in (corpus, corpus / ".cache"):
+        fails(main("tokenize", "--model", teacher, "--data.source", corpus, "--data.token_cache", cache,
+                   "--out", root / "cache_out"), "--data.token_cache .* (is|lies inside) the --data.source directory",
+              "outside it")
+    assert not (root / "cache_out").exists()
+
+
+def test_a_token_cache_in_the_students_teacher_is_refused(rw):
+    """distill's teacher is the one the student records (no --teacher given): the cache may not go into it."""
+    root, teacher, corpus, hybrid, _ = rw
+    fails(main("distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--data.token_cache", teacher / "c",
+               "--out", root / "cache_run"), "lies inside the student's teacher directory", "--data.token_cache")
+    assert not (root / "cache_run").exists()
+
+
+def test_a_token_cache_from_the_environment_inside_an_input_is_named(rw):
+    root, teacher, corpus, hybrid, _ = rw
+    r = subprocess.run(_cmd(["tokenize", "--model", teacher, "--data.source", corpus, "--out", root / "cache_env"]),
+                       env={**ENV, "TAYLOR_CALIBRATE_TOKEN_CACHE": str(teacher / "tokens")}, capture_output=True,
+                       text=True, timeout=300)
+    fails((r.returncode, r.stdout + r.stderr), r"\$TAYLOR_CALIBRATE_TOKEN_CACHE=.* lies inside the --model directory")
+    assert not (root / "cache_env").exists()
+
+
+# --- outputs linked from the token cache keep their own modes ---------------------------------------------------
+def test_a_later_tokenize_under_another_umask_leaves_an_earlier_outputs_modes(rw, tmp_path):
+    """Shards are hard links of the cache's files, and a link shares its file's mode: a second `tokenize` under
+    umask 022 made the first one's files (written under umask 077, private) readable by everyone, and the cache's."""
+    root, teacher, corpus, hybrid, _ = rw
+    cache, private, shared = tmp_path / "cache", tmp_path / "private", tmp_path / "shared"
+
+    def tokenize(out, mask):
+        r = subprocess.run(_cmd(["tokenize", "--model", teacher, "--data.source", corpus, "--data.token_cache", cache,
+                                 "--out", out]), env=ENV, capture_output=True, text=True, timeout=300,
+                           preexec_fn=lambda: os.umask(mask))
+        return succeeds((r.returncode, r.stdout + r.stderr))
+
+    def modes(d):
+        return {p.name: stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()}
+
+    tokenize(private, 0o077)
+    assert set(modes(private).values()) == {0o600}
+    tokenize(shared, 0o022)
+    assert set(modes(shared).values()) == {0o644}
+    assert set(modes(private).values()) == {0o600}, modes(private)
+    entry = next(p for p in cache.iterdir() if p.name != ".locks")
+    assert set(modes(entry).values()) == {0o600}, modes(entry)
+    assert (shared / "calib.bin").read_bytes() == (private / "calib.bin").read_bytes()
+
+
+# --- seeds ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--seed", "--phase2.seed"])
+def test_a_seed_too_large_for_the_generators_is_refused_at_parse(rw, flag):
+    """A seed past 64 bits failed deep in torch with "Overflow when unpacking long long", after the teacher loaded."""
+    root, teacher, corpus, hybrid, _ = rw
+    rc, log = main("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, flag, str(2 ** 70),
+                   "--out", root / "seed_out")
+    fails((rc, log), rf"{flag}={2 ** 70} is out of range", "magnitude below 2\\*\\*53")
+    assert "loading teacher" not in log and not (root / "seed_out").exists()
+
+
+def test_seeds_of_a_tradeoff_are_checked_too(rw):
+    root, teacher, corpus, hybrid, _ = rw
+    fails(main("tradeoff", "--teacher", teacher, "--data.source", corpus, "--seeds", f"[0, {2 ** 64}]",
+               "--out", root / "seed_t"), r"--seeds=\d+ is out of range")
