@@ -24,6 +24,26 @@ from taylor_calibrate.results import umask, write_json
 log = logging.getLogger("taylor_calibrate")
 
 
+
+def unreadable(e: BaseException) -> OSError | None:
+    """A permission error met while loading, as one error naming the file and the fix (not "damaged")."""
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM):
+        return PermissionError(f"cannot read {e.filename or 'a file'} ({e.strerror}); fix its permissions, or pass a "
+                               "copy you can read")
+    return None
+
+
+def tokenizer_error(spec: str, e: BaseException, fix: str) -> Exception:
+    """The one error for a tokenizer that did not load: unreadable, needing custom code, or damaged."""
+    if unreadable(e):
+        return unreadable(e)
+    if "custom code" in str(e):
+        return ValueError(f"the tokenizer of {spec!r} needs custom code (an auto_map in its tokenizer_config.json), "
+                          "which taylor-calibrate never runs; pass a model whose tokenizer transformers reads itself")
+    return ValueError(f"could not load the tokenizer in {spec} ({type(e).__name__}: {e}): its tokenizer files are "
+                      f"damaged; {fix}")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -191,7 +211,6 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     check_finite(model, str(path), "the file is damaged or the run that wrote it diverged; " + fix)
     tokenizer = None
     if any(path.glob("tokenizer*")):
-        from taylor_calibrate.teacher import tokenizer_error
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)

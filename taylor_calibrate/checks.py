@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from taylor_calibrate.config import TOKEN_CACHE_ENV, token_cache_dir
+
 log = logging.getLogger("taylor_calibrate")
 
 # How an earlier output of each command is recognised: a file it writes (with a key of its own when several
@@ -84,8 +86,6 @@ def check_token_cache(option: str | None, inputs: dict[str, str | None]) -> None
     """The token cache (`--data.token_cache`, else $TAYLOR_CALIBRATE_TOKEN_CACHE, else ~/.cache/...) may not be, or
     lie inside, an input directory: its entries and locks would be written into what the command reads (a corpus
     whose files then change under it, a teacher's directory)."""
-    from taylor_calibrate.data import TOKEN_CACHE_ENV, token_cache_dir
-
     cache = token_cache_dir(option).expanduser().resolve()
     where = (f"--data.token_cache {option}" if option else f"${TOKEN_CACHE_ENV}={os.environ[TOKEN_CACHE_ENV]}"
              if os.environ.get(TOKEN_CACHE_ENV) else f"the token cache {cache}")

@@ -9,6 +9,7 @@ import copy
 import logging
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
+import os
 from pathlib import Path
 
 import yaml
@@ -742,3 +743,18 @@ def parse_args_of(args_cls, argv: list[str]):
     parser = args_parser(args_cls)
     return args_of(args_cls, parser.instantiate(parser.parse_args(argv)))
 
+
+# The token cache's directory (`data.cached_tokens` keeps its entries there), here so that the output checks can
+# find it without importing the data stage.
+TOKEN_CACHE_ENV = "TAYLOR_CALIBRATE_TOKEN_CACHE"
+
+
+def token_cache_dir(option: str | None = None) -> Path:
+    """The token cache: `option` (--data.token_cache), else $TAYLOR_CALIBRATE_TOKEN_CACHE, else
+    $XDG_CACHE_HOME/taylor_calibrate/tokens, else ~/.cache/taylor_calibrate/tokens."""
+    if option:
+        return Path(option).expanduser()
+    if os.environ.get(TOKEN_CACHE_ENV):
+        return Path(os.environ[TOKEN_CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "taylor_calibrate" / "tokens"

