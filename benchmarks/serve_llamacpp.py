@@ -576,15 +576,20 @@ def run_bytes(a) -> None:
     record(a.out, result, a, command=a.command)
 
 
+def _text_options(parser) -> None:
+    """The held-out text and how llama-perplexity cuts it, as both steps that score it take them."""
+    parser.add_argument("--text_bytes", type=int, default=400_000)
+    parser.add_argument("--ctx", type=int, default=1024)
+    parser.add_argument("--chunks", type=int, default=32)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="step", required=True)
     q = sub.add_parser("prepare")
     q.add_argument("--hybrid", required=True, help="a `convert --target qwen3_5` output directory")
     q.add_argument("--stage", required=True)
-    q.add_argument("--text_bytes", type=int, default=400_000)
-    q.add_argument("--ctx", type=int, default=1024)
-    q.add_argument("--chunks", type=int, default=32)
+    _text_options(q)
     q.add_argument("--prompts", type=int, default=5)
     q.add_argument("--prompt_tokens", type=int, default=64)
     q.add_argument("--new_tokens", type=int, default=64)
@@ -626,9 +631,7 @@ def main(argv=None) -> None:
     b.add_argument("--hybrid_gguf", default=None, help="its GGUF (default: exported in fp32 into --stage)")
     b.add_argument("--stage", required=True, help="folder for the text, the export and llama.cpp's log")
     b.add_argument("--out", required=True)
-    b.add_argument("--text_bytes", type=int, default=400_000)
-    b.add_argument("--ctx", type=int, default=1024)
-    b.add_argument("--chunks", type=int, default=32)
+    _text_options(b)
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--kv", default="f32", choices=["f32", "f16"], help="llama.cpp's KV cache type")
     b.add_argument("--timeout", type=float, default=3600, help="seconds for one llama-perplexity run")
