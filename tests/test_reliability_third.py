@@ -454,3 +454,17 @@ def test_token_shards_whose_description_is_a_pipe_are_named(rw):
     fails(_run(["distill", "--student", hybrid, "--data.source", s, *TRAIN, "--out", root / "shards_pipe_run"]),
           r"shards_pipe/tokens\.json is not a regular file", "tokenise the corpus again")
     assert not (root / "shards_pipe_run").exists()
+
+
+@pytest.mark.parametrize("kind", ["pipe", "directory"])
+def test_a_lock_file_that_is_not_a_file_is_named(rw, kind):
+    """A pipe where the lock of --out belongs was "File or stream is not seekable.", a directory a bare EISDIR."""
+    root, teacher, corpus, hybrid, _ = rw
+    d = root / f"lock_{kind}"
+    d.mkdir(exist_ok=True)
+    lock = d / ".out.lock"
+    if not lock.exists():
+        os.mkfifo(lock) if kind == "pipe" else lock.mkdir()
+    fails(main("tokenize", "--model", teacher, "--data.source", corpus, "--out", d / "out"),
+          r"the lock file .*\.out\.lock of --out .* is not a regular file", "remove it", "another --out")
+    assert not (d / "out").exists() and (lock.is_dir() if kind == "directory" else lock.exists())
