@@ -44,6 +44,8 @@ def is_output_of(path: Path, command: str) -> bool:
             continue
         if key is None:
             return True
+        if not f.is_file():  # a pipe would block the reader: not an output of ours
+            continue
         try:
             data = json.loads(f.read_text())
         except (ValueError, OSError):
@@ -289,7 +291,8 @@ def check_teacher_origin(student: str, recorded: str | None, teacher: str | None
         raise FileNotFoundError(f"the teacher {recorded} that {student} records does not exist any more (moved or "
                                 "deleted); pass --teacher with where it is now")
     try:
-        then = json.loads((Path(student) / "report.json").read_text()).get("teacher_hash")
+        report = Path(student) / "report.json"
+        then = json.loads(report.read_text()).get("teacher_hash") if report.is_file() else None
     except (OSError, ValueError, AttributeError):
         then = None  # no report (a distilled model/ directory) or a damaged one, which the loader has refused
     now = teacher_hash(spec) if then else None

@@ -466,8 +466,12 @@ def read_token_meta(root: str | Path) -> dict:
     root = Path(root)
     f = root / TOKENS_META
     fix = f"delete {root} and tokenise the corpus again (`taylor-calibrate tokenize`, or let distill do it)"
+    from taylor_calibrate.model.loading import NotRegularFile, read_text
+
     try:
-        meta = json.loads(f.read_text())
+        meta = json.loads(read_text(f, fix))
+    except NotRegularFile:
+        raise
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{f} is not valid JSON ({e}); {fix}") from None
     ok = (isinstance(meta, dict) and isinstance(meta.get("tokens"), dict) and isinstance(meta.get("tokenizer"), str)

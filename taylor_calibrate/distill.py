@@ -49,6 +49,7 @@ from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repea
 from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
 from taylor_calibrate.model.hybrid_config import MIXER_TYPE
+from taylor_calibrate.model.loading import read_text
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.stats import FarMass, observing
@@ -496,7 +497,7 @@ def read_checkpoint(ckpt: Path, model) -> tuple[dict, dict, dict]:
     """(meta, model state, optimizer state) of one checkpoint, checked against the run's trained parameters: every
     one present with its shape, nothing else (a strict load). Raises CorruptCheckpoint naming the file."""
     try:
-        meta = json.loads((ckpt / "state.json").read_text())
+        meta = json.loads(read_text(ckpt / "state.json", "it is damaged"))
         if not isinstance(meta, dict):
             raise TypeError("state.json is not a JSON object")
         step = meta["step"]
@@ -569,7 +570,7 @@ def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
 
 def _records(path: Path) -> list[dict]:
     """metrics.jsonl's records; a half-written last line (a kill mid-write) is dropped, damage elsewhere is an error."""
-    lines = path.read_text().splitlines()
+    lines = read_text(path, "delete it or pass a new --out").splitlines()
     records = []
     for i, line in enumerate(lines):
         if not line.strip():

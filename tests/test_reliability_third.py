@@ -386,3 +386,85 @@ def test_seeds_of_a_tradeoff_are_checked_too(rw):
     root, teacher, corpus, hybrid, _ = rw
     fails(main("tradeoff", "--teacher", teacher, "--data.source", corpus, "--seeds", f"[0, {2 ** 64}]",
                "--out", root / "seed_t"), r"--seeds=\d+ is out of range")
+
+
+# --- pipes where files of ours belong ---------------------------------------------------------------------------
+def _run(argv, timeout=300):
+    r = subprocess.run(_cmd(argv), env=ENV, capture_output=True, text=True, timeout=timeout)
+    return r.returncode, r.stdout + r.stderr
+
+
+def _pipe(f: Path) -> None:
+    if f.is_dir():
+        shutil.rmtree(f)
+    f.unlink(missing_ok=True)
+    os.mkfifo(f)
+
+
+def test_an_out_whose_report_is_a_pipe_is_not_waited_on(rw):
+    """convert / eval read an existing --out's report.json to tell whether it is their earlier output: a pipe there
+    blocked them for ever. It is not an output of theirs (nothing to read): refused as any foreign directory."""
+    root, teacher, corpus, hybrid, _ = rw
+    o = _copy(hybrid, root / "out_pipe_report")
+    _pipe(o / "report.json")
+    fails(_run(["convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", o]),
+          "not an earlier `convert` output", "--overwrite true")
+    e = root / "eval_pipe_report"
+    e.mkdir(exist_ok=True)
+    _pipe(e / "report.json")
+    fails(_run(["eval", "--model", hybrid, "--data.source", corpus, *EVAL, "--out", e]), "not an earlier `eval` output")
+
+
+def test_a_model_whose_report_is_a_pipe_is_named(rw):
+    root, teacher, corpus, hybrid, _ = rw
+    m = _copy(hybrid, root / "model_pipe_report")
+    _pipe(m / "report.json")
+    fails(_run(["eval", "--model", m, "--data.source", corpus, *EVAL, "--out", root / "model_pipe_eval"]),
+          r"model_pipe_report/report\.json is not a regular file", "convert")
+
+
+@pytest.mark.parametrize("kind", ["pipe", "directory"])
+def test_a_run_whose_metrics_are_a_pipe_or_a_directory_is_named(rw, run, kind):
+    root, teacher, corpus, hybrid, _ = rw
+    o = _copy(run, root / f"metrics_{kind}")
+    if kind == "pipe":
+        _pipe(o / "metrics.jsonl")
+    else:
+        (o / "metrics.jsonl").unlink()
+        (o / "metrics.jsonl").mkdir()
+    fails(_run(["distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--out", o]),
+          r"metrics\.jsonl is not a regular file", "delete it or pass a new --out")
+
+
+def test_a_checkpoint_whose_state_is_a_pipe_falls_back(rw, run):
+    root, teacher, corpus, hybrid, _ = rw
+    o = _copy(run, root / "state_pipe")
+    _pipe(_newest_state(o))
+    log = succeeds(_run(["distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--out", o]))
+    assert "state.json is not a regular file" in log and "resuming from the previous checkpoint step_00000003" in log
+
+
+def test_token_shards_whose_description_is_a_pipe_are_named(rw):
+    root, teacher, corpus, hybrid, _ = rw
+    shards = root / "shards_ok"
+    if not shards.exists():
+        succeeds(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", shards))
+    s = _copy(shards, root / "shards_pipe")
+    _pipe(s / "tokens.json")
+    fails(_run(["distill", "--student", hybrid, "--data.source", s, *TRAIN, "--out", root / "shards_pipe_run"]),
+          r"shards_pipe/tokens\.json is not a regular file", "tokenise the corpus again")
+    assert not (root / "shards_pipe_run").exists()
+
+
+@pytest.mark.parametrize("kind", ["pipe", "directory"])
+def test_a_lock_file_that_is_not_a_file_is_named(rw, kind):
+    """A pipe where the lock of --out belongs was "File or stream is not seekable.", a directory a bare EISDIR."""
+    root, teacher, corpus, hybrid, _ = rw
+    d = root / f"lock_{kind}"
+    d.mkdir(exist_ok=True)
+    lock = d / ".out.lock"
+    if not lock.exists():
+        os.mkfifo(lock) if kind == "pipe" else lock.mkdir()
+    fails(main("tokenize", "--model", teacher, "--data.source", corpus, "--out", d / "out"),
+          r"the lock file .*\.out\.lock of --out .* is not a regular file", "remove it", "another --out")
+    assert not (d / "out").exists() and (lock.is_dir() if kind == "directory" else lock.exists())

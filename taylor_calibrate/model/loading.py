@@ -10,6 +10,19 @@ from pathlib import Path
 REPORT = "report.json"
 
 
+class NotRegularFile(ValueError):
+    pass
+
+
+def read_text(path, fix: str) -> str:
+    """The text of a file this package wrote (a report, a checkpoint's state, metrics, a shard description): a pipe,
+    device or directory in its place is refused naming it (a reader would block for ever, or fail without the name)."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise NotRegularFile(f"{path} is not a regular file (a directory, pipe, socket or device); {fix}")
+    return path.read_text()
+
+
 def check_loaded(path, info: dict, fix: str, unexpected: bool = False) -> None:
     """Refuse a load that left parameters of the config without weights (transformers would initialise them
     randomly and only log it), with weights of another shape, or (`unexpected`) with weights the config has no
@@ -37,11 +50,13 @@ def check_report(path, config) -> None:
     report = Path(path) / REPORT
     if not hasattr(config, "layer_types"):
         return
-    if not report.is_file():
+    if not report.exists():
         check_mixer_block(path, {})
         return
     try:
-        rep = json.loads(report.read_text())
+        rep = json.loads(read_text(report, "convert again into a new --out"))
+    except NotRegularFile:
+        raise
     except ValueError as e:
         raise ValueError(f"{report} is not valid JSON ({e}); convert again into a new --out") from None
     name = getattr(config, "mixer", "gdn")
