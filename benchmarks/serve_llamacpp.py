@@ -457,13 +457,16 @@ def llama_tokenize(bin_: Path, model: Path, text_file: Path, bos: bool) -> list[
 
 def parse_perplexity(log: str) -> dict:
     """llama-perplexity's result from its log (run with --ppl-output-type 1: one line per chunk with the running
-    mean nll to 6 decimals): PPL, mean nll and the chunk count."""
+    mean nll to 6 decimals, on stdout): PPL, mean nll and the chunk count. Its closing "Final estimate" line (stderr,
+    through an asynchronous logger) is sometimes missing from a short run's output: the rows carry the figure."""
     rows = re.findall(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", log, re.M)
+    planned = re.search(r"calculating perplexity over (\d+) chunks", log)
+    if not rows or planned is None or len(rows) != int(planned.group(1)):
+        raise ValueError("no perplexity (a row for every chunk) in llama-perplexity's output:\n" + log[-3000:])
     final = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", log)
-    if not rows or final is None:
-        raise ValueError("no perplexity in llama-perplexity's output:\n" + log[-3000:])
-    return {"ppl": float(final.group(1)), "stderr": float(final.group(2)), "mean_nll": float(rows[-1][2]),
-            "chunks": len(rows)}
+    mean_nll = float(rows[-1][2])
+    return {"ppl": float(final.group(1)) if final else round(math.exp(mean_nll), 4),
+            "stderr": float(final.group(2)) if final else None, "mean_nll": mean_nll, "chunks": len(rows)}
 
 
 _OURS: dict = {}
