@@ -192,6 +192,9 @@ def output_lock(path: str | Path, command: str = "", flag: str = "--out"):
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    if lf.exists() and not lf.is_file():  # never made by a run of ours; a pipe would block the holder's reader
+        raise ValueError(f"the lock file {lf} of {flag} {path} is not a regular file (a directory, pipe, socket or "
+                         f"device); remove it (runs of taylor-calibrate only make regular ones) or pass another {flag}")
     while True:
         f = open(lf, "a+")
         try:
