@@ -23,8 +23,13 @@ fla 0.6.0 facts this module relies on (read off its source):
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import logging
+import os
+import re
+import sys
+from pathlib import Path
 
 import torch
 
@@ -38,6 +43,29 @@ FIX_BACKWARD = (
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+TUNED_CONFIGS = Path(__file__).parent / "fla_configs"  # fla-<version>/<GPU>/<kernel>.json, from benchmarks/fla_configs.py
+
+
+def use_tuned_configs() -> Path | None:
+    """Point fla's autotuner at the kernel configs shipped for this fla version and GPU, if there are any, so a
+    fresh machine compiles one config per kernel instead of autotuning every candidate (exact shape match only,
+    FLA_CACHE_MODE=strict: any other shape still autotunes). Must run before fla is first imported (fla reads
+    the variables at import); a user's own FLA_CACHE_MODE / FLA_CONFIG_DIR win."""
+    if "FLA_CACHE_MODE" in os.environ or "FLA_CONFIG_DIR" in os.environ or "fla.ops.utils.cache" in sys.modules:
+        return None
+    try:
+        version = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    gpu = re.sub(r"[^0-9A-Za-z]+", "_", torch.cuda.get_device_name(0)).strip("_")  # fla's own GPU key
+    folder = TUNED_CONFIGS / f"fla-{version}" / gpu
+    if not any(folder.glob("*.json")):
+        return None
+    os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"] = str(folder), "strict"
+    logger.info("fla kernel configs tuned for %s (fla %s) read from %s", gpu, version, folder)
+    return folder
+
+
 @functools.cache
 def fla_unavailable_reason() -> str | None:
     """None when the fla kernels can run here, else a short reason ("fla not installed / no CUDA")."""
@@ -48,6 +76,7 @@ def fla_unavailable_reason() -> str | None:
         reasons.append("no CUDA")
     if not reasons:
         try:
+            use_tuned_configs()
             import fla.ops.gated_delta_rule  # noqa: F401
         except Exception as e:  # a broken Triton install fails here, not at find_spec
             reasons.append(f"import fla.ops.gated_delta_rule failed: {type(e).__name__}: {e}")
