@@ -300,3 +300,56 @@ def test_fla_matches_reference(T, mode):
         assert err(ours, ref) <= 2 * err(pt, ref) + 1e-5, msg
     if mode == "chunk" and not check_grads:
         pytest.skip(reason)
+
+
+def test_tuned_fla_configs_are_used_for_their_gpu_and_fla_version_only(monkeypatch):
+    """The shipped configs are pointed to (strict matching) for the GPU and fla version they were tuned on; a user's
+    own FLA_CACHE_MODE / FLA_CONFIG_DIR, another GPU or another fla version leave fla's autotuning alone."""
+    import importlib.metadata
+    import os
+    import sys
+
+    monkeypatch.delitem(sys.modules, "fla.ops.utils.cache", raising=False)
+    monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
+    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.6.0")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    folder = fla_ops.use_tuned_configs()
+    assert folder == fla_ops.TUNED_CONFIGS / "fla-0.6.0" / "NVIDIA_H200"
+    assert os.environ["FLA_CONFIG_DIR"] == str(folder) and os.environ["FLA_CACHE_MODE"] == "strict"
+
+    monkeypatch.setenv("FLA_CONFIG_DIR", "/mine")
+    monkeypatch.setenv("FLA_CACHE_MODE", "fuzzy")
+    assert fla_ops.use_tuned_configs() is None and os.environ["FLA_CONFIG_DIR"] == "/mine"
+    monkeypatch.delenv("FLA_CACHE_MODE")
+    monkeypatch.delenv("FLA_CONFIG_DIR")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100-SXM4-80GB")
+    assert fla_ops.use_tuned_configs() is None and "FLA_CONFIG_DIR" not in os.environ
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.7.0")
+    assert fla_ops.use_tuned_configs() is None and "FLA_CONFIG_DIR" not in os.environ
+
+
+def test_shipped_fla_configs_are_in_flas_format():
+    """Every shipped entry is keyed as fla looks it up (md5 of the sorted, compact JSON of its autotune key) and holds
+    a Triton config; with fla installed, fla's own parser finds each entry by its key."""
+    import hashlib
+    import importlib.util
+    import json
+
+    files = sorted(fla_ops.TUNED_CONFIGS.glob("fla-*/*/*.json"))
+    assert files
+    for path in files:
+        data = json.loads(path.read_text())
+        assert data["kernel_name"] == path.stem and data["autotune_entries"]
+        for digest, entry in data["autotune_entries"].items():
+            key = json.dumps(entry["autotune_key"], separators=(",", ":"), sort_keys=True)
+            assert hashlib.md5(key.encode()).hexdigest() == digest
+            config = entry["config"]
+            assert isinstance(config["kwargs"], dict) and config["num_warps"] > 0 and config["num_stages"] > 0
+        if importlib.util.find_spec("fla") is not None:
+            from fla.ops.utils.cache import AutotuneKey, KernelConfigFile
+
+            parsed = KernelConfigFile.from_dict(path, data)
+            for entry in data["autotune_entries"].values():
+                assert parsed.lookup_exact(AutotuneKey(tuple(entry["autotune_key"])))["config"] == entry["config"]
