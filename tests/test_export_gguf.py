@@ -189,6 +189,20 @@ def test_gguf_refuses_a_recorded_pre_tokenizer_whose_merges_the_tokenizer_does_n
     assert not (tmp_path / "gguf").exists()
 
 
+def test_gguf_refuses_a_recorded_pre_tokenizer_whose_split_the_tokenizer_does_not_follow(tmp_path):
+    """A GGUF teacher's recorded `smollm` (single digits, then GPT-2's split) with a saved tokenizer.json that has no
+    Digits step (as transformers' GGUF loader built it before teacher.with_gguf_split added it): refused."""
+    from taylor_calibrate.teacher import GGUF_TOKENIZER_KEY
+
+    tok = _family_tokenizer("gpt-2", [p.read_text() for p in sorted(tiny_corpus(tmp_path / "corpus").iterdir())])
+    tok.init_kwargs[GGUF_TOKENIZER_KEY] = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm"}
+    _, hybrid = tiny_hybrid(gdn_layers=(0, 1, 2), vocab_size=VOCAB)
+    save_hybrid(hybrid, tok, tmp_path / "hybrid")
+    with pytest.raises(ValueError, match="'smollm'.*splits text as ByteLevel.*run `convert` again"):
+        export_gguf(tmp_path / "hybrid", tmp_path / "gguf")
+    assert not (tmp_path / "gguf").exists()
+
+
 def _llama_tokenize_binary():
     import os
     import shutil

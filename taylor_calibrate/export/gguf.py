@@ -77,12 +77,17 @@ def _pre_step(step: dict) -> tuple:
     return (kind,)
 
 
+def _pre_key(tok: dict) -> tuple:
+    """A tokenizer.json's key in PRE_TOKENIZERS: its pre-tokenizer steps and its BPE's ignore_merges."""
+    pre = tok.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    return tuple(_pre_step(s) for s in steps), bool(tok["model"].get("ignore_merges"))
+
+
 def pre_tokenizer_name(tok: dict, path: Path) -> str:
     """llama.cpp's name (`tokenizer.ggml.pre`) for the pre-tokenizer of a byte-level BPE tokenizer.json; a clear error
     for one llama.cpp does not split the same way (a Metaspace / SentencePiece tokenizer, an unknown regex)."""
-    pre = tok.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    key = (tuple(_pre_step(s) for s in steps), bool(tok["model"].get("ignore_merges")))
+    key = _pre_key(tok)
     if key not in PRE_TOKENIZERS:
         raise ValueError(f"gguf export: the pre-tokenizer of {path} ({', '.join(str(k[0]) for k in key[0]) or 'none'}"
                          f"; ignore_merges {key[1]}) is not one llama.cpp is known here to split the same way "
@@ -112,6 +117,13 @@ def _add_tokenizer(writer, src: Path, config: dict) -> None:
         raise ValueError(f"gguf export: the teacher's GGUF tokenizer is {recorded['tokenizer.ggml.model']!r}; this "
                          "exporter writes byte-level BPE ('gpt2') only")
     pre = recorded.get("tokenizer.ggml.pre") or pre_tokenizer_name(tok, path)
+    steps = _pre_key(tok)[0]
+    if pre in PRE_TOKENIZERS.values() and steps not in {k[0] for k, name in PRE_TOKENIZERS.items() if name == pre}:
+        raise ValueError(f"gguf export: the teacher's GGUF names llama.cpp's pre-tokenizer {pre!r}, but {path} splits "
+                         f"text as {', '.join(str(s[0]) for s in steps) or 'nothing'}: llama.cpp would tokenise text "
+                         "differently from the model, so no GGUF is written (a hybrid converted from a GGUF teacher "
+                         "before its tokenizer carried the teacher's split, e.g. smollm's single digits: run `convert` "
+                         "again, whose tokenizer now splits as the teacher's GGUF does)")
     whole = pre in IGNORE_MERGES_PRE  # llama.cpp takes a word that is a vocabulary entry whole
     if whole != bool(model.get("ignore_merges")):
         raise ValueError(f"gguf export: llama.cpp's pre-tokenizer {pre!r} (recorded from the teacher's GGUF) runs BPE "
