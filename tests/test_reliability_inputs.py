@@ -163,6 +163,20 @@ def test_export_hint_does_not_offer_overwrite(tw):
     assert "--overwrite" not in err and (d / "mine.txt").read_text() == "mine"
 
 
+def test_eval_writes_its_default_report_only_inside_a_hybrid_of_ours(tw):
+    """Without --out, eval writes <model>/eval: inside a `convert` output, never inside a teacher the user owns."""
+    root, teacher, corpus, hybrid = tw
+    data = ["--data.source", corpus, "--data.seq_len", "64", "--data.eval_seqs", "2", "--device", "cpu",
+            "--backend", "torch"]
+    fails(main("eval", "--model", teacher, *data), "is not a hybrid of taylor-calibrate", "'llama'", "pass --out")
+    assert not (teacher / "eval").exists()
+    mine = root / "default_eval_hybrid"
+    if not mine.exists():
+        shutil.copytree(hybrid, mine)
+    succeeds(main("eval", "--model", mine, *data))
+    assert "model_ppl" in json.loads((mine / "eval" / "report.json").read_text())
+
+
 # --- one writer per output -------------------------------------------------------------------------------------
 HOLD = ("import sys, time\n"
         "from taylor_calibrate.checks import output_lock\n"
