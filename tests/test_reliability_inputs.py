@@ -177,6 +177,22 @@ def test_eval_writes_its_default_report_only_inside_a_hybrid_of_ours(tw):
     assert "model_ppl" in json.loads((mine / "eval" / "report.json").read_text())
 
 
+@pytest.mark.parametrize("command", ["distill", "eval"])
+def test_overwrite_never_writes_among_another_commands_output(tw, command):
+    """distill and eval write into --out: with --overwrite true into a `convert` output they left its model beside
+    their own report (read back as one directory). Refused before any work, the output untouched."""
+    root, teacher, corpus, hybrid = tw
+    out = root / "converted_out"
+    if not out.exists():
+        shutil.copytree(hybrid, out)
+    before = tree(out)
+    argv = {"distill": ["distill", "--student", hybrid, "--teacher", teacher],
+            "eval": ["eval", "--model", hybrid]}[command]
+    fails(main(*argv, "--data.source", corpus, "--device", "cpu", "--out", out, "--overwrite", "true"),
+          "holds an earlier `convert` output", f"`{command}` would write its files among them", "pass another --out")
+    assert tree(out) == before
+
+
 # --- one writer per output -------------------------------------------------------------------------------------
 HOLD = ("import sys, time\n"
         "from taylor_calibrate.checks import output_lock\n"
