@@ -94,11 +94,16 @@ def hybrid_teacher_error(spec: str | None, what: str, origin: str | None) -> str
 
 def gguf_architecture(path: str | Path) -> tuple[str | None, str | None]:
     """(general.architecture, general.base_model.0.name) of a GGUF file, None for what it does not say or cannot be
-    read: what a GGUF that transformers cannot load holds, for the error."""
+    read: what a GGUF that transformers cannot load holds, for the error. Only the metadata at the file's start is
+    read, so a truncated copy (of our own export, say) is still named for what it is."""
     try:
         import gguf
 
-        fields = gguf.GGUFReader(str(path)).fields
+        class Metadata(gguf.GGUFReader):
+            def _build_tensors(self, start_offs, fields):  # the tensors' data: absent from a truncated file
+                self.tensors = []
+
+        fields = Metadata(str(path)).fields
         out = []
         for key in ("general.architecture", "general.base_model.0.name"):
             f = fields.get(key)
