@@ -144,7 +144,9 @@ def _check_foreign_out(path: Path, out: str, command: str, overwrite: bool | Non
     if not overwrite:
         fix = ("(it is never overwritten)" if overwrite is None else "or --overwrite true to replace its contents"
                if command in _REPLACES_OUT else "or --overwrite true to write into it anyway")
-        raise FileExistsError(f"{flag} {out} is a non-empty directory that is not an earlier `{command}` output; "
+        odd = [n for n, key in _OUTPUT_MARKS[command] if key and (path / n).exists() and not (path / n).is_file()]
+        why = f" (its {odd[0]} is not a regular file: a directory, pipe, socket or device)" if odd else ""
+        raise FileExistsError(f"{flag} {out} is a non-empty directory that is not an earlier `{command}` output{why}; "
                               f"pass a new or empty directory {fix}")
     other = next((c for c in _OUTPUT_MARKS if c != command and is_output_of(path, c)), None)
     if other and command not in _REPLACES_OUT:
