@@ -124,7 +124,9 @@ def check_teacher_dir(path: Path) -> None:
 
     config = path / "config.json"
     if not config.exists():
-        raise FileNotFoundError(f"teacher directory {str(path)!r} has no config.json; pass an HF checkpoint directory")
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))  # `export --format gguf` writes one into its --out
+        fix = f"it holds {ggufs[0]}: pass that file instead" if ggufs else "pass an HF checkpoint directory"
+        raise FileNotFoundError(f"teacher directory {str(path)!r} has no config.json; {fix}")
     if not config.is_file():  # a pipe would block the reader for ever
         raise ValueError(f"teacher config {config} is not a regular file (a pipe, socket or device); restore it from "
                          "the original checkpoint")
