@@ -25,7 +25,8 @@ log = logging.getLogger("taylor_calibrate")
 _OUTPUT_MARKS = {
     "convert": [("report.json", "hybrid_ppl")],
     "eval": [("report.json", "model_ppl")],
-    "distill": [("metrics.jsonl", None), ("checkpoints", None), ("tokens", None), ("report.json", "heldout_kl")],
+    "distill": [("metrics.jsonl", None), ("checkpoints/latest.json", None), ("tokens", None),
+                ("report.json", "heldout_kl")],  # a user's own checkpoints/ is not ours: distill clears ours
     "ablate": [("ablation.json", None)],
     "recovery": [("recovery.json", None), ("runs", None), ("mixers", None)],
     "tradeoff": [("tradeoff.json", None)],

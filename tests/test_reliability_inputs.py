@@ -193,6 +193,20 @@ def test_overwrite_never_writes_among_another_commands_output(tw, command):
     assert tree(out) == before
 
 
+def test_a_users_checkpoints_folder_is_not_taken_for_an_earlier_distill(tw):
+    """A directory of the user's holding a `checkpoints/` folder of their own passed as distill's --out: it was taken
+    for an earlier distill output, written into without --overwrite, and the folder deleted (distill starting afresh
+    clears its checkpoints)."""
+    root, teacher, corpus, hybrid = tw
+    d = root / "users_dir"
+    (d / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (d / "checkpoints" / "my_model.pt").write_text("mine")
+    before = tree(d)
+    fails(main("distill", "--student", hybrid, "--teacher", teacher, "--data.source", corpus, "--device", "cpu",
+               "--out", d), "not an earlier `distill` output", "--overwrite true")
+    assert tree(d) == before
+
+
 # --- one writer per output -------------------------------------------------------------------------------------
 HOLD = ("import sys, time\n"
         "from taylor_calibrate.checks import output_lock\n"
