@@ -196,7 +196,7 @@ def test_overwrite_never_writes_among_another_commands_output(tw, command):
 def test_a_users_checkpoints_folder_is_not_taken_for_an_earlier_distill(tw):
     """A directory of the user's holding a `checkpoints/` folder of their own passed as distill's --out: it was taken
     for an earlier distill output, written into without --overwrite, and the folder deleted (distill starting afresh
-    clears its checkpoints)."""
+    clears its checkpoints); with --overwrite true, its files are kept."""
     root, teacher, corpus, hybrid = tw
     d = root / "users_dir"
     (d / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -205,6 +205,11 @@ def test_a_users_checkpoints_folder_is_not_taken_for_an_earlier_distill(tw):
     fails(main("distill", "--student", hybrid, "--teacher", teacher, "--data.source", corpus, "--device", "cpu",
                "--out", d), "not an earlier `distill` output", "--overwrite true")
     assert tree(d) == before
+    train = ["--backend", "torch", "--data.seq_len", "32", "--data.eval_seqs", "1", "--eval_batch_size", "1",
+             "--train.batch_size", "2", "--train.tokens", "128", "--train.save_every", "1"]
+    succeeds(main("distill", "--student", hybrid, "--teacher", teacher, "--data.source", corpus, "--device", "cpu",
+                  *train, "--out", d, "--overwrite", "true"))  # writes among the user's files, deletes none
+    assert (d / "checkpoints" / "my_model.pt").read_text() == "mine" and (d / "report.json").exists()
 
 
 # --- one writer per output -------------------------------------------------------------------------------------
