@@ -25,7 +25,8 @@ log = logging.getLogger("taylor_calibrate")
 _OUTPUT_MARKS = {
     "convert": [("report.json", "hybrid_ppl")],
     "eval": [("report.json", "model_ppl")],
-    "distill": [("metrics.jsonl", None), ("checkpoints", None), ("tokens", None), ("report.json", "heldout_kl")],
+    "distill": [("metrics.jsonl", None), ("checkpoints/latest.json", None), ("tokens", None),
+                ("report.json", "heldout_kl")],  # a user's own checkpoints/ is not ours: distill clears ours
     "ablate": [("ablation.json", None)],
     "recovery": [("recovery.json", None), ("runs", None), ("mixers", None)],
     "tradeoff": [("tradeoff.json", None)],
@@ -33,6 +34,7 @@ _OUTPUT_MARKS = {
     "tokenize": [("tokens.json", None)],
     "export": [],  # never written into a non-empty directory
 }
+_REPLACES_OUT = ("convert", "tokenize")  # write --out whole in a staged sibling; the other commands write into it
 _CORPUS_KEYWORDS = ("builtin", "pysrc")  # --data.source values that name no path
 
 
@@ -131,11 +133,27 @@ def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs:
                                   f"location (or make {where} writable)") from None
     if lock is not None:
         lock.enter_context(output_lock(path, command, flag))
-    if path.is_dir() and any(path.iterdir()) and not overwrite and not is_output_of(path, command):
-        fix = "or --overwrite true to replace its contents" if overwrite is not None else "(it is never overwritten)"
-        raise FileExistsError(f"{flag} {out} is a non-empty directory that is not an earlier `{command}` output; "
-                              f"pass a new or empty directory {fix}")
+    if path.is_dir() and any(path.iterdir()) and not is_output_of(path, command):
+        _check_foreign_out(path, out, command, overwrite, flag)
     return path
+
+
+def _check_foreign_out(path: Path, out: str, command: str, overwrite: bool | None, flag: str) -> None:
+    """A non-empty --out that is not an earlier output of `command` needs --overwrite; and even with it, a command
+    that writes into --out (not replacing it whole) may not write among another command's output: the directory would
+    hold parts of two runs (a distill report beside the convert's model, read back as one)."""
+    if not overwrite:
+        fix = ("(it is never overwritten)" if overwrite is None else "or --overwrite true to replace its contents"
+               if command in _REPLACES_OUT else "or --overwrite true to write into it anyway")
+        odd = [n for n, key in _OUTPUT_MARKS[command] if key and (path / n).exists() and not (path / n).is_file()]
+        why = f" (its {odd[0]} is not a regular file: a directory, pipe, socket or device)" if odd else ""
+        raise FileExistsError(f"{flag} {out} is a non-empty directory that is not an earlier `{command}` output{why}; "
+                              f"pass a new or empty directory {fix}")
+    other = next((c for c in _OUTPUT_MARKS if c != command and is_output_of(path, c)), None)
+    if other and command not in _REPLACES_OUT:
+        raise FileExistsError(f"{flag} {out} holds an earlier `{other}` output, and `{command}` would write its files "
+                              f"among them (--overwrite true does not empty it), leaving parts of two runs in one "
+                              f"directory; pass another {flag}, or delete {out} first")
 
 
 # --- one writer per output ---------------------------------------------------------------------------------------

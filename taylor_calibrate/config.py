@@ -301,7 +301,8 @@ class PipelineArgs:
     seed: int = 0
     """Seed of the random parts of the initialisation."""
     overwrite: bool = False
-    """Write into a non-empty --out that is not an earlier output of this command (its contents are replaced)."""
+    """Write into a non-empty --out that is not an earlier output of this command (`convert` replaces its contents;
+    the experiments write among them, and refuse another command's output)."""
 
     def __post_init__(self):
         check_profile(self.profile)
@@ -424,7 +425,7 @@ class EvalArgs(NiahArgs):
     teacher: str | None = None
     """Also evaluate this teacher in the same run (same text, same tokenizer)."""
     out: str | None = None
-    """Where to write report.json (default: <model>/eval)."""
+    """Where to write report.json (default: <model>/eval for a hybrid of ours; needed for any other model)."""
     profile: str = "auto"
     """Sizes for unset data options: "full", "quick", or "auto" (full on CUDA, else quick)."""
     data: DataArgs = field(default_factory=DataArgs)
@@ -594,7 +595,8 @@ class DistillArgs:
     fp32 master weights; on cuda its forward runs under bf16 autocast."""
     eval_batch_size: int = 4
     overwrite: bool = False
-    """Write into a non-empty --out that is not an earlier `distill` output (its contents are replaced)."""
+    """Write into a non-empty --out that is not an earlier `distill` output (its other files stay; one holding another
+    command's output is refused)."""
 
     def __post_init__(self):
         check_profile(self.profile)

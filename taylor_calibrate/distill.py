@@ -695,8 +695,10 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     if meta is not None:
         start = meta["step"]
         log.info("resuming %s from step %d of %d (%s)", desc, start, steps, out / CKPT_DIR)
-    elif ctx.main and (out / CKPT_DIR).exists():
-        shutil.rmtree(out / CKPT_DIR)
+    elif ctx.main and (out / CKPT_DIR).exists():  # ours only: a user's checkpoints/ keeps its files
+        for old in [*(out / CKPT_DIR).glob("step_*"), *(out / CKPT_DIR).glob(".step_*")]:
+            shutil.rmtree(old, ignore_errors=True)
+        (out / CKPT_DIR / "latest.json").unlink(missing_ok=True)
     if ctx.main:
         out.mkdir(parents=True, exist_ok=True)
     metrics = Metrics(out / METRICS, start, ctx.main)

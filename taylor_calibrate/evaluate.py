@@ -174,12 +174,31 @@ def print_niah(scores: dict[str, dict]) -> None:
             print(f"  {f'{task} ({who})':<{width}}  " + "  ".join(cells))
 
 
-@writes_out("eval", lambda args: args.out or Path(args.model) / "eval", nested_ok=("--model",))
+def eval_out(args: EvalArgs) -> Path:
+    """Where eval writes: --out, else <model>/eval, but only inside a hybrid of ours (a `convert` or `distill`
+    output): any other model directory (a teacher, an export) is the user's, which eval does not write into unasked.
+    A config.json that cannot be read here is left to the loader, which names it before anything is written."""
+    if args.out:
+        return Path(args.out)
+    model = Path(args.model)
+    try:
+        config = json.loads((model / "config.json").read_text()) if (model / "config.json").is_file() else None
+    except (OSError, ValueError):
+        config = None
+    if isinstance(config, dict) and config.get("model_type") != "taylor_hybrid":
+        raise ValueError(f"--model {args.model} is not a hybrid of taylor-calibrate (its model_type is "
+                         f"{config.get('model_type')!r}), so eval does not write its report inside it (<model>/eval "
+                         "is the default only for `convert` and `distill` outputs); pass --out with a directory for "
+                         "the report")
+    return model / "eval"
+
+
+@writes_out("eval", eval_out, nested_ok=("--model",))
 def run_eval(args: EvalArgs) -> dict:
     """Held-out perplexity of a saved model (and optionally of its teacher on the same text); optionally
     long-context retrieval (--niah), agreement with the teacher (--agreement) and lm-eval tasks (--lm_eval_tasks)."""
     t0 = time.perf_counter()
-    out = Path(args.out or Path(args.model) / "eval")
+    out = eval_out(args)
     if args.lm_eval_tasks:
         import_lm_eval()  # fail before the slow parts, not after them
     device = resolve_device(args.device)

@@ -94,11 +94,16 @@ def hybrid_teacher_error(spec: str | None, what: str, origin: str | None) -> str
 
 def gguf_architecture(path: str | Path) -> tuple[str | None, str | None]:
     """(general.architecture, general.base_model.0.name) of a GGUF file, None for what it does not say or cannot be
-    read: what a GGUF that transformers cannot load holds, for the error."""
+    read: what a GGUF that transformers cannot load holds, for the error. Only the metadata at the file's start is
+    read, so a truncated copy (of our own export, say) is still named for what it is."""
     try:
         import gguf
 
-        fields = gguf.GGUFReader(str(path)).fields
+        class Metadata(gguf.GGUFReader):
+            def _build_tensors(self, start_offs, fields):  # the tensors' data: absent from a truncated file
+                self.tensors = []
+
+        fields = Metadata(str(path)).fields
         out = []
         for key in ("general.architecture", "general.base_model.0.name"):
             f = fields.get(key)
@@ -119,7 +124,9 @@ def check_teacher_dir(path: Path) -> None:
 
     config = path / "config.json"
     if not config.exists():
-        raise FileNotFoundError(f"teacher directory {str(path)!r} has no config.json; pass an HF checkpoint directory")
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))  # `export --format gguf` writes one into its --out
+        fix = f"it holds {ggufs[0]}: pass that file instead" if ggufs else "pass an HF checkpoint directory"
+        raise FileNotFoundError(f"teacher directory {str(path)!r} has no config.json; {fix}")
     if not config.is_file():  # a pipe would block the reader for ever
         raise ValueError(f"teacher config {config} is not a regular file (a pipe, socket or device); restore it from "
                          "the original checkpoint")

@@ -341,7 +341,8 @@ def test_llama_cpp_tokenises_text_like_a_real_family_tokenizer(tmp_path, name):
 
 def test_convert_of_an_exported_model_names_it_and_the_teacher_to_pass(tmp_path, capsys):
     """Our GGUF export (qwen35), our Qwen3.5 export and our hybrid directory given to `convert --teacher`: one line
-    saying it already is a hybrid and naming the teacher it was converted from (the GGUF records it)."""
+    saying it already is a hybrid and naming the teacher it was converted from (the GGUF records it); so is a
+    truncated copy of the GGUF (its metadata comes first), which said "download it again"."""
     from taylor_calibrate.cli import main
     from taylor_calibrate.export.qwen3_5 import export_qwen3_5
 
@@ -350,7 +351,10 @@ def test_convert_of_an_exported_model_names_it_and_the_teacher_to_pass(tmp_path,
     hybrid.config.teacher_name = "/models/its-teacher"
     save_hybrid(hybrid, tok, tmp_path / "hybrid")
     exported = [export_gguf(tmp_path / "hybrid", tmp_path / "gguf"), export_qwen3_5(tmp_path / "hybrid", tmp_path / "q")]
-    for teacher, origin in zip([*exported, tmp_path / "hybrid"], [True, False, True]):
+    cut = tmp_path / "cut" / "model.gguf"
+    cut.parent.mkdir()
+    cut.write_bytes(exported[0].read_bytes()[:exported[0].stat().st_size // 2])
+    for teacher, origin in zip([*exported, cut, tmp_path / "hybrid"], [True, False, True, True]):
         capsys.readouterr()
         assert main(["convert", "--teacher", str(teacher), "--out", str(tmp_path / "out"), "--device", "cpu"]) == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]

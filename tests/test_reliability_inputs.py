@@ -163,6 +163,55 @@ def test_export_hint_does_not_offer_overwrite(tw):
     assert "--overwrite" not in err and (d / "mine.txt").read_text() == "mine"
 
 
+def test_eval_writes_its_default_report_only_inside_a_hybrid_of_ours(tw):
+    """Without --out, eval writes <model>/eval: inside a `convert` output, never inside a teacher the user owns."""
+    root, teacher, corpus, hybrid = tw
+    data = ["--data.source", corpus, "--data.seq_len", "64", "--data.eval_seqs", "2", "--device", "cpu",
+            "--backend", "torch"]
+    fails(main("eval", "--model", teacher, *data), "is not a hybrid of taylor-calibrate", "'llama'", "pass --out")
+    assert not (teacher / "eval").exists()
+    mine = root / "default_eval_hybrid"
+    if not mine.exists():
+        shutil.copytree(hybrid, mine)
+    succeeds(main("eval", "--model", mine, *data))
+    assert "model_ppl" in json.loads((mine / "eval" / "report.json").read_text())
+
+
+@pytest.mark.parametrize("command", ["distill", "eval"])
+def test_overwrite_never_writes_among_another_commands_output(tw, command):
+    """distill and eval write into --out: with --overwrite true into a `convert` output they left its model beside
+    their own report (read back as one directory). Refused before any work, the output untouched."""
+    root, teacher, corpus, hybrid = tw
+    out = root / "converted_out"
+    if not out.exists():
+        shutil.copytree(hybrid, out)
+    before = tree(out)
+    argv = {"distill": ["distill", "--student", hybrid, "--teacher", teacher],
+            "eval": ["eval", "--model", hybrid]}[command]
+    fails(main(*argv, "--data.source", corpus, "--device", "cpu", "--out", out, "--overwrite", "true"),
+          "holds an earlier `convert` output", f"`{command}` would write its files among them", "pass another --out")
+    assert tree(out) == before
+
+
+def test_a_users_checkpoints_folder_is_not_taken_for_an_earlier_distill(tw):
+    """A directory of the user's holding a `checkpoints/` folder of their own passed as distill's --out: it was taken
+    for an earlier distill output, written into without --overwrite, and the folder deleted (distill starting afresh
+    clears its checkpoints); with --overwrite true, its files are kept."""
+    root, teacher, corpus, hybrid = tw
+    d = root / "users_dir"
+    (d / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (d / "checkpoints" / "my_model.pt").write_text("mine")
+    before = tree(d)
+    fails(main("distill", "--student", hybrid, "--teacher", teacher, "--data.source", corpus, "--device", "cpu",
+               "--out", d), "not an earlier `distill` output", "--overwrite true")
+    assert tree(d) == before
+    train = ["--backend", "torch", "--data.seq_len", "32", "--data.eval_seqs", "1", "--eval_batch_size", "1",
+             "--train.batch_size", "2", "--train.tokens", "128", "--train.save_every", "1"]
+    succeeds(main("distill", "--student", hybrid, "--teacher", teacher, "--data.source", corpus, "--device", "cpu",
+                  *train, "--out", d, "--overwrite", "true"))  # writes among the user's files, deletes none
+    assert (d / "checkpoints" / "my_model.pt").read_text() == "mine" and (d / "report.json").exists()
+
+
 # --- one writer per output -------------------------------------------------------------------------------------
 HOLD = ("import sys, time\n"
         "from taylor_calibrate.checks import output_lock\n"

@@ -403,16 +403,18 @@ def _pipe(f: Path) -> None:
 
 def test_an_out_whose_report_is_a_pipe_is_not_waited_on(rw):
     """convert / eval read an existing --out's report.json to tell whether it is their earlier output: a pipe there
-    blocked them for ever. It is not an output of theirs (nothing to read): refused as any foreign directory."""
+    blocked them for ever. It is not an output of theirs (nothing to read): refused as any foreign directory, naming
+    the pipe."""
     root, teacher, corpus, hybrid, _ = rw
     o = _copy(hybrid, root / "out_pipe_report")
     _pipe(o / "report.json")
     fails(_run(["convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", o]),
-          "not an earlier `convert` output", "--overwrite true")
+          "not an earlier `convert` output", r"its report\.json is not a regular file", "--overwrite true")
     e = root / "eval_pipe_report"
     e.mkdir(exist_ok=True)
     _pipe(e / "report.json")
-    fails(_run(["eval", "--model", hybrid, "--data.source", corpus, *EVAL, "--out", e]), "not an earlier `eval` output")
+    fails(_run(["eval", "--model", hybrid, "--data.source", corpus, *EVAL, "--out", e]), "not an earlier `eval` output",
+          r"its report\.json is not a regular file")
 
 
 def test_a_model_whose_report_is_a_pipe_is_named(rw):

@@ -48,7 +48,10 @@ def test_missing_paths(spec, err, match):
 
 
 def test_directory_without_config(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match="no config.json; pass an HF checkpoint directory"):
+        load_teacher(str(tmp_path))
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")  # an `export --format gguf` output: the file is what to pass
+    with pytest.raises(FileNotFoundError, match="no config.json; it holds model.gguf: pass that file instead"):
         load_teacher(str(tmp_path))
 
 
