@@ -33,14 +33,19 @@ SMALL = ["--data.seq_len", "64", "--data.calib_seqs", "4", "--data.eval_seqs", "
          "--device", "cpu", "--backend", "torch"]
 
 
+def converted_world(root):
+    """A tiny local teacher, its corpus, and the hybrid `convert` makes of them, all under root."""
+    teacher, corpus = tiny_local_teacher(root)
+    hybrid = root / "hybrid"
+    succeeds(cli("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", hybrid))
+    return teacher, corpus, hybrid
+
+
 @pytest.fixture(scope="module")
 def tw(tmp_path_factory):
     """(root, teacher, corpus, a converted hybrid) with the hashes of teacher, corpus and hybrid."""
     root = tmp_path_factory.mktemp("inputs")
-    teacher, corpus = tiny_local_teacher(root)
-    hybrid = root / "hybrid"
-    succeeds(cli("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", hybrid))
-    return root, teacher, corpus, hybrid
+    return (root, *converted_world(root))
 
 
 @pytest.fixture(autouse=True)

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import VOCAB, tiny_local_teacher
+from conftest import VOCAB
 from test_reliability import ENV, _cmd, cli, fails, succeeds, tree
-from test_reliability_inputs import SMALL, main
+from test_reliability_inputs import SMALL, converted_world, main
 
 EVAL = ["--data.seq_len", "64", "--data.eval_seqs", "2", "--device", "cpu", "--backend", "torch"]
 TRAIN = ["--device", "cpu", "--backend", "torch", "--data.seq_len", "32", "--data.eval_seqs", "2",
@@ -30,9 +30,7 @@ def rw(tmp_path_factory):
     from taylor_calibrate.teacher import load_tokenizer
 
     root = tmp_path_factory.mktemp("third")
-    teacher, corpus = tiny_local_teacher(root)
-    hybrid = root / "hybrid"
-    succeeds(cli("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", hybrid))
+    teacher, corpus, hybrid = converted_world(root)
     _, exportable = tiny_hybrid(vocab_size=VOCAB)
     save_hybrid(exportable, load_tokenizer(str(hybrid)), root / "exportable")
     return root, teacher, corpus, hybrid, root / "exportable"
