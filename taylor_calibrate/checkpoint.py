@@ -24,7 +24,6 @@ from taylor_calibrate.results import umask, write_json
 log = logging.getLogger("taylor_calibrate")
 
 
-
 def unreadable(e: BaseException) -> OSError | None:
     """A permission error met while loading, as one error naming the file and the fix (not "damaged")."""
     if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM):
@@ -35,8 +34,8 @@ def unreadable(e: BaseException) -> OSError | None:
 
 def tokenizer_error(spec: str, e: BaseException, fix: str) -> Exception:
     """The one error for a tokenizer that did not load: unreadable, needing custom code, or damaged."""
-    if unreadable(e):
-        return unreadable(e)
+    if denied := unreadable(e):
+        return denied
     if "custom code" in str(e):
         return ValueError(f"the tokenizer of {spec!r} needs custom code (an auto_map in its tokenizer_config.json), "
                           "which taylor-calibrate never runs; pass a model whose tokenizer transformers reads itself")
@@ -211,7 +210,6 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     check_finite(model, str(path), "the file is damaged or the run that wrote it diverged; " + fix)
     tokenizer = None
     if any(path.glob("tokenizer*")):
-
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         except Exception as e:  # a damaged tokenizer file surfaces as whatever its reader meets

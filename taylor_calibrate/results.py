@@ -190,13 +190,13 @@ class ReportArgs:
 
 def run_report(args: ReportArgs) -> str:
     """Print (or write) the markdown view of a results JSON."""
+    from taylor_calibrate.model.loading import read_text
+
     path = Path(args.file)
-    if path.exists() and not path.is_file():  # a pipe would block the reader
-        raise ValueError(f"{path} is not a regular file (a directory, pipe or device); pass a results JSON file")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass a results JSON written by a subcommand or benchmark")
     try:
-        result = json.loads(path.read_text())
+        result = json.loads(read_text(path, "pass a results JSON file"))  # a pipe would block the reader
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not JSON ({e}); pass a results JSON") from e
     if not isinstance(result, dict):

@@ -346,8 +346,8 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
     except Exception as e:  # a damaged file surfaces as whatever the reader of that format raises
         from taylor_calibrate.checkpoint import unreadable
 
-        if unreadable(e):
-            raise unreadable(e) from e
+        if denied := unreadable(e):
+            raise denied from e
         raise ValueError(f"could not load teacher {spec!r} ({type(e).__name__}: {e}); check that its files are "
                          "complete (download them again)") from e
     check_loaded(spec, info, "restore the teacher's weights from the original checkpoint")

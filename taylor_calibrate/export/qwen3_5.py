@@ -228,28 +228,29 @@ def qwen3_5_state_dict(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> dic
     return out
 
 
+REWRITE = "re-run `convert` into a new --out to rewrite it"
+
+
 def check_model_dir(path: Path) -> dict:
     """The config.json of a hybrid directory read as the loader reads it: the directory's JSON files regular files
     holding objects (a pipe would block the reader), the config the shape `convert` writes. Returns the config."""
-    fix = "re-run `convert` into a new --out to rewrite it"
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory; pass the output directory of `convert`")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the output of `convert`")
-    check_json_files(path, fix)
+    check_json_files(path, REWRITE)
     cfg = json.loads((path / "config.json").read_text())
     model_type = cfg.get("model_type")
     if model_type != HybridConfig.model_type:
         raise ValueError(f"{path} holds a {model_type!r} model, not a hybrid made by `convert` ({HybridConfig.model_type})")
-    check_hybrid_config(path, cfg, fix)
+    check_hybrid_config(path, cfg, REWRITE)
     return cfg
 
 
 def _load_hybrid_files(path: Path) -> tuple[HybridConfig, dict[str, torch.Tensor]]:
     path = Path(path)
     check_model_dir(path)
-    fix = "re-run `convert` into a new --out to rewrite it"
-    files = check_safetensors(path, fix)
+    files = check_safetensors(path, REWRITE)
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights; re-run `convert` to write them")
     state = {}
@@ -258,8 +259,8 @@ def _load_hybrid_files(path: Path) -> tuple[HybridConfig, dict[str, torch.Tensor
     try:
         cfg = HybridConfig.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ValueError(f"could not read the config of {path}: {e}; {fix}") from e
-    check_state(path, cfg, state, fix)
+        raise ValueError(f"could not read the config of {path}: {e}; {REWRITE}") from e
+    check_state(path, cfg, state, REWRITE)
     return cfg, state
 
 
