@@ -20,41 +20,44 @@ from taylor_calibrate.config import TOKEN_CACHE_ENV, token_cache_dir
 
 log = logging.getLogger("taylor_calibrate")
 
-# How an earlier output of each command is recognised: a file it writes (with a key of its own when several
-# commands write a file of that name). A non-empty --out that is none of these needs --overwrite.
+# How an earlier output of each command is recognised: a file it writes (a glob under --out), read as the JSON object
+# (for .jsonl: its first line) it writes, with the keys it writes; a file of that name with other content is the
+# user's. A non-empty --out that is none of these needs --overwrite.
+_METRICS = ("step", "heldout_loss")  # the first line of a distill run's metrics.jsonl (its step-0 evaluation)
+_LATEST = ("step", "dir")  # checkpoints/latest.json
 _OUTPUT_MARKS = {
-    "convert": [("report.json", "hybrid_ppl")],
-    "eval": [("report.json", "model_ppl")],
-    "distill": [("metrics.jsonl", None), ("checkpoints/latest.json", None), ("tokens", None),
-                ("report.json", "heldout_kl")],  # a user's own checkpoints/ is not ours: distill clears ours
-    "ablate": [("ablation.json", None)],
-    "recovery": [("recovery.json", None), ("runs", None), ("mixers", None)],
-    "tradeoff": [("tradeoff.json", None)],
-    "damage": [("damage.json", None)],
-    "tokenize": [("tokens.json", None)],
+    "convert": [("report.json", ("hybrid_ppl", "layer_types"))],
+    "eval": [("report.json", ("model", "model_ppl"))],
+    "distill": [("metrics.jsonl", _METRICS), ("checkpoints/latest.json", _LATEST),
+                ("report.json", ("heldout_kl", "tokens_per_step"))],
+    "ablate": [("ablation.json", ("rows", "teacher_ppl", "kept"))],
+    "recovery": [("recovery.json", ("teacher_loss", "policies")), ("mixers/layers.json", ("kept", "scores")),
+                 ("students/*.json", ("gdn_layers", "kv_fraction")), ("runs/*/metrics.jsonl", _METRICS),
+                 ("runs/*/checkpoints/latest.json", _LATEST)],
+    "tradeoff": [("tradeoff.json", ("rows", "teacher_name", "niah_tasks"))],
+    "damage": [("damage.json", ("rows", "layer_types", "teacher_probes"))],
+    "tokenize": [("tokens.json", ("tokens", "tokenizer", "dtype"))],
     "export": [],  # never written into a non-empty directory
 }
 _REPLACES_OUT = ("convert", "tokenize")  # write --out whole in a staged sibling; the other commands write into it
 _CORPUS_KEYWORDS = ("builtin", "pysrc")  # --data.source values that name no path
 
 
+def _written_by(f: Path, keys: tuple[str, ...]) -> bool:
+    """Whether file `f` holds what a command writes there: a JSON object (for .jsonl, its first line) with `keys`."""
+    if not f.is_file():  # a pipe would block the reader, a directory is no file of ours
+        return False
+    try:
+        with open(f, encoding="utf-8") as fh:
+            data = json.loads(fh.readline() if f.suffix == ".jsonl" else fh.read())
+    except (ValueError, OSError):
+        return False
+    return isinstance(data, dict) and all(k in data for k in keys)
+
+
 def is_output_of(path: Path, command: str) -> bool:
-    """Whether directory `path` holds an earlier output of `command`."""
-    for name, key in _OUTPUT_MARKS[command]:
-        f = path / name
-        if not f.exists():
-            continue
-        if key is None:
-            return True
-        if not f.is_file():  # a pipe would block the reader: not an output of ours
-            continue
-        try:
-            data = json.loads(f.read_text())
-        except (ValueError, OSError):
-            continue
-        if isinstance(data, dict) and key in data:
-            return True
-    return False
+    """Whether directory `path` holds an earlier output of `command`, by the content of the files it writes."""
+    return any(_written_by(f, keys) for name, keys in _OUTPUT_MARKS[command] for f in Path(path).glob(name))
 
 
 def _local(spec: str | None) -> Path | None:
@@ -145,7 +148,7 @@ def _check_foreign_out(path: Path, out: str, command: str, overwrite: bool | Non
     if not overwrite:
         fix = ("(it is never overwritten)" if overwrite is None else "or --overwrite true to replace its contents"
                if command in _REPLACES_OUT else "or --overwrite true to write into it anyway")
-        odd = [n for n, key in _OUTPUT_MARKS[command] if key and (path / n).exists() and not (path / n).is_file()]
+        odd = [f.relative_to(path) for n, _ in _OUTPUT_MARKS[command] for f in path.glob(n) if not f.is_file()]
         why = f" (its {odd[0]} is not a regular file: a directory, pipe, socket or device)" if odd else ""
         raise FileExistsError(f"{flag} {out} is a non-empty directory that is not an earlier `{command}` output{why}; "
                               f"pass a new or empty directory {fix}")

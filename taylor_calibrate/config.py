@@ -595,8 +595,9 @@ class DistillArgs:
     fp32 master weights; on cuda its forward runs under bf16 autocast."""
     eval_batch_size: int = 4
     overwrite: bool = False
-    """Write into a non-empty --out that is not an earlier `distill` output (its other files stay; one holding another
-    command's output is refused)."""
+    """Start a new run over an earlier one in --out (its output is deleted first), or write into a non-empty --out
+    that is not a `distill` output (its other files stay; report.json, metrics.jsonl, model/ or another command's
+    output there are refused)."""
 
     def __post_init__(self):
         check_profile(self.profile)

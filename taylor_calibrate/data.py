@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from taylor_calibrate.checks import writes_out
+from taylor_calibrate.checks import is_output_of, writes_out
 from taylor_calibrate.config import TOKEN_CACHE_ENV, CorpusSpec, token_cache_dir
 
 log = logging.getLogger(__name__)
@@ -400,7 +400,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def is_token_dir(source: str) -> bool:
-    return Path(source).expanduser().is_dir() and (Path(source).expanduser() / TOKENS_META).exists()
+    """Whether `source` is a token-shard directory: its tokens.json is one `write_tokens` wrote, or shard files lie
+    beside it (damaged shards, named by their reader). A corpus of the user's holding a tokens.json is a corpus."""
+    path = Path(source).expanduser()
+    return path.is_dir() and (path / TOKENS_META).exists() and (
+        is_output_of(path, "tokenize") or any((path / f"{side}.bin").exists() for side in SIDES))
 
 
 def _iter_split_documents(spec: CorpusSpec):

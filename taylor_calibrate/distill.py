@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from taylor_calibrate.config import DistillArgs, TrainArgs, apply_profile, apply_train_profile
 from taylor_calibrate.checks import (check_context, check_out, check_same_layers, check_same_vocab,
-                                    check_teacher_origin, check_token_cache, writes_out)
+                                    check_teacher_origin, check_token_cache, is_output_of, writes_out)
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
@@ -527,6 +527,37 @@ def read_checkpoint(ckpt: Path, model) -> tuple[dict, dict, dict]:
     return meta, msd, {"state": state, "param_groups": groups}
 
 
+START_OVER = "--resume false --overwrite true"  # what starts a new run over an earlier one in --out
+
+
+def check_fresh_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Before any work: a run that will start afresh in `out` (not `resume`, or no checkpoint there) over an earlier
+    run's output needs `overwrite` (that output is deleted as the run starts: `clear_run`); a file or folder of the
+    user's with a name the run writes (report.json, metrics.jsonl, model/) is never replaced."""
+    if resume and any((out / CKPT_DIR).glob("step_*")):
+        return  # resumed, or refused naming what differs (resume_checkpoint)
+    if is_output_of(out, "distill"):
+        if not overwrite:
+            why = "--resume false starts a new run there" if not resume else "it holds no checkpoint to resume from"
+            raise FileExistsError(f"--out {out} holds an earlier distill run's output and {why}; pass --overwrite true "
+                                  "to replace it (deleted as the run starts), or another --out")
+        return
+    theirs = [n for n in (REPORT, METRICS, "model") if (out / n).exists() or (out / n).is_symlink()]
+    if theirs:
+        raise FileExistsError(f"--out {out} holds a {theirs[0]} that distill did not write, which the run would "
+                              "replace; pass another --out (or move it away)")
+
+
+def clear_run(out: Path) -> None:
+    """Delete an earlier run's files from `out` (report.json first, then model/, metrics.jsonl and its checkpoints),
+    nothing else: a run starting afresh never sits beside another's output; a user's other files stay."""
+    ckpt = out / CKPT_DIR
+    for f in (out / REPORT, out / METRICS, ckpt / "latest.json"):
+        f.unlink(missing_ok=True)
+    for d in [out / "model", *ckpt.glob("step_*"), *ckpt.glob(".step_*")]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
     """Restore the newest usable checkpoint of this run (falling back to the one before a damaged one) and return its
     meta; None when there is none. A checkpoint of another run is refused, naming what differs."""
@@ -545,12 +576,12 @@ def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
             continue
         if "identity" not in meta:
             raise ValueError(f"checkpoint {ckpt} records no run identity (an older version wrote it), so it cannot be "
-                             "told apart from another run's; pass a new --out, or --resume false to start over there")
+                             f"told apart from another run's; pass a new --out, or {START_OVER} to start over there")
         diffs = identity_diff(meta["identity"], identity)
         if diffs:
             raise ValueError(f"--out {out} holds checkpoints of another run, which differs in: {'; '.join(diffs)}. "
-                             "Pass a new --out, or --resume false to start this run over there (its checkpoints "
-                             "are deleted)")
+                             f"Pass a new --out, or {START_OVER} to start this run over there (the other run's "
+                             "output is deleted)")
         try:
             set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd,
                            options=_state_options(strict=False))  # frozen parameters are not in it; checked above
@@ -563,8 +594,8 @@ def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
             shutil.rmtree(bad, ignore_errors=True)  # later checkpoints of this run are rewritten from here
         return meta
     if damaged:
-        raise ValueError(f"no usable checkpoint in {root}: {'; '.join(why for _, why in damaged)}. Pass --resume "
-                         "false to start over (the checkpoints are deleted) or a new --out")
+        raise ValueError(f"no usable checkpoint in {root}: {'; '.join(why for _, why in damaged)}. Pass "
+                         f"{START_OVER} to start over (the run's output is deleted) or a new --out")
     return None
 
 
@@ -598,13 +629,11 @@ class Metrics:
         self.path, self.main = path, main
         if not main:
             return
-        if resume_step > 0 and path.exists():
+        if resume_step > 0 and path.exists():  # a fresh run starts without one (clear_run)
             keep = [json.dumps(r) for r in _records(path) if r["step"] <= resume_step]
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(k + "\n" for k in keep))
             os.replace(tmp, path)
-        elif path.exists():
-            path.unlink()
 
     def write(self, record: dict) -> None:
         if self.main:
@@ -695,10 +724,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     if meta is not None:
         start = meta["step"]
         log.info("resuming %s from step %d of %d (%s)", desc, start, steps, out / CKPT_DIR)
-    elif ctx.main and (out / CKPT_DIR).exists():  # ours only: a user's checkpoints/ keeps its files
-        for old in [*(out / CKPT_DIR).glob("step_*"), *(out / CKPT_DIR).glob(".step_*")]:
-            shutil.rmtree(old, ignore_errors=True)
-        (out / CKPT_DIR / "latest.json").unlink(missing_ok=True)
+    elif ctx.main:
+        clear_run(out)
     if ctx.main:
         out.mkdir(parents=True, exist_ok=True)
     metrics = Metrics(out / METRICS, start, ctx.main)
@@ -815,6 +842,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
 def run_distill(args: DistillArgs) -> dict:
     """Distil a converted hybrid toward its teacher; resumable, torchrun-ready; writes report.json and model/."""
     t0 = time.perf_counter()
+    check_fresh_out(Path(args.out).expanduser(), args.resume, args.overwrite)
     device = resolve_device(args.device)
     ctx, device = init_distributed(device)
     dtype = resolve_dtype(args.dtype, device)

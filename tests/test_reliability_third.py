@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import VOCAB
-from test_reliability import ENV, _cmd, cli, fails, succeeds, tree
+from test_reliability import ENV, _cmd, bound_by_permissions, cli, fails, succeeds, tree
 from test_reliability_inputs import SMALL, converted_world, main
 
 EVAL = ["--data.seq_len", "64", "--data.eval_seqs", "2", "--device", "cpu", "--backend", "torch"]
@@ -269,9 +269,7 @@ def test_an_unreadable_tokenizer_file_says_permissions_not_damage(rw):
     """As a process that permission bits stop (root without its capabilities, or a user): a teacher or model whose
     tokenizer.json cannot be read is named with the fix (permissions), not "download them again"."""
     root, teacher, corpus, hybrid, _ = rw
-    prefix = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
-    if prefix and not shutil.which("setpriv"):
-        pytest.skip("root without setpriv: permission bits do not apply")
+    prefix = bound_by_permissions()
     t = _copy(teacher, root / "unreadable_teacher")
     m = _copy(hybrid, root / "unreadable_model")
     for d in (t, m):
