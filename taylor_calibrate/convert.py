@@ -381,9 +381,20 @@ def run_convert(args: ConvertArgs) -> dict:
         report = record(tmp / REPORT, report, conv.args)
     print_summary(report, conv.args, Path(args.out) / REPORT)
     seq = min(4096, getattr(teacher.model.config, "max_position_embeddings", None) or 4096)  # as check_context
-    print(f"  next, on a GPU (the end-to-end phase; it brings back long-range retrieval): taylor-calibrate distill "
-          f"--student {args.out} --data.seq_len {seq} --train.tokens 20000000 --data.source YOUR_TEXT")
+    print("  next, on a GPU (the end-to-end phase; it brings back long-range retrieval): "
+          + phase_command(report, args.out, seq))
     return report
+
+
+def phase_command(report: dict, out: str, seq: int) -> str:
+    """The end-to-end phase to run next. `--train.train mixers` trains only the converted layers' mixers; where fewer
+    than half the layers hold GDN heads (a windowed teacher whose global layers are few, e.g. Gemma 3), that leaves
+    the kept layers unable to take over what a converted layer did for retrieval, so every parameter trains, at the
+    lower rate that wants (measured on Gemma 3: docs/results.md, run 18)."""
+    cmd = f"taylor-calibrate distill --student {out} --data.seq_len {seq} --train.tokens 20000000 --data.source YOUR_TEXT"
+    if 2 * len(report["gdn_layers"]) < len(report["layer_types"]):
+        cmd += " --train.train all --train.lr 1e-4 --train.repeat_spans 0.5 --train.recall_rows 0.25"
+    return cmd
 
 
 def print_summary(report: dict, args: ConvertArgs, out: Path | None) -> None:

@@ -216,3 +216,16 @@ def test_knockouts_run_only_when_the_budget_cannot_keep_every_candidate():
         scores, record = knocked_out(teacher, mass, probes, lambda s: set())
     assert record["units"] == [[0, 0], [3, 0], [3, 1]] and len(record["drops"]) == 3
     assert record["drops"][0] == 0.0  # layer 0 slides over 8 tokens: the needle is out of its sight
+
+
+def test_the_phase_suggested_trains_every_parameter_when_few_layers_convert():
+    """convert's next step: the default phase (mixers) where most layers hold GDN heads; every parameter, at a lower
+    rate, where few do (Gemma 3 converts 2 of its 18 layers at one kept global layer)."""
+    from taylor_calibrate.convert import phase_command
+
+    smollm2 = {"layer_types": ["full_attention"] * 30, "gdn_layers": [i for i in range(30) if i != 21]}
+    gemma = {"layer_types": ["sliding_attention"] * 18, "gdn_layers": [5, 17]}
+    assert "--train.train" not in phase_command(smollm2, "out/h", 4096)
+    cmd = phase_command(gemma, "out/g", 4096)
+    assert cmd.startswith("taylor-calibrate distill --student out/g --data.seq_len 4096")
+    assert "--train.train all --train.lr 1e-4" in cmd
