@@ -656,6 +656,81 @@ def flops_per_token(student, teacher, trained: set[str]) -> float:
     return 2 * (matmul_params(teacher) + lm) + 4 * (n_s + lm) + 2 * matmul_params(student, trained)
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """How a token budget becomes optimizer steps on `world` processes."""
+    steps: int
+    tokens_per_step: int
+    micro: int  # rows per forward pass per process
+    accum: int  # forward passes per optimizer step per process
+    eval_every: int
+    warmup_steps: int
+
+
+def schedule(args: TrainArgs, n_rows: int, seq: int, world: int) -> Schedule:
+    if n_rows < 1:
+        raise ValueError("distill: no training rows")
+    if args.batch_size % world:
+        raise ValueError(f"train batch_size={args.batch_size} must be a multiple of the {world} processes")
+    per_rank = args.batch_size // world
+    micro = min(args.micro_batch_size or per_rank, per_rank)
+    if per_rank % micro:
+        raise ValueError(f"train micro_batch_size={micro} must divide the per-process batch {per_rank}")
+    tokens_per_step = args.batch_size * seq
+    steps = max(1, math.ceil(args.tokens / tokens_per_step))
+    return Schedule(steps, tokens_per_step, micro, per_rank // micro, args.eval_every or max(1, steps // 8),
+                    math.ceil(args.warmup * steps))
+
+
+def make_optimizer(params: list, args: TrainArgs, device: torch.device, world: int) -> torch.optim.AdamW:
+    """AdamW, weight decay on matrices only; fused into one kernel per step on a single GPU."""
+    decay = {id(p) for p in params if p.ndim >= 2}
+    return torch.optim.AdamW([{"params": [p for p in params if id(p) in decay], "weight_decay": args.weight_decay},
+                              {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                             fused=(device.type == "cuda" and world == 1) or None)
+
+
+@dataclass
+class Step:
+    """What one optimizer step's forward and backward passes need (fixed for the run)."""
+    model: torch.nn.Module  # the student as wrapped for DDP / FSDP2
+    student: torch.nn.Module
+    teacher: torch.nn.Module
+    args: TrainArgs
+    sched: Schedule
+    device: torch.device
+    fused: bool
+    far: FarMass | None
+    kernel: object
+
+    def run(self, rows, mine: torch.Tensor, step: int) -> dict:
+        """Forward and backward over this process's rows `mine` of `step`, in micro-batches (gradients accumulate;
+        DDP syncs on the last); returns the loss parts averaged over the micro-batches."""
+        a, micro, sums = self.args, self.sched.micro, {}
+        hidden = a.hidden_weight > 0
+        for j in range(self.sched.accum):
+            windows = mine[j * micro:(j + 1) * micro]
+            ids = repeat_spans(rows[windows], windows, a.repeat_spans, a.seed, step)
+            ids = recall_rows(ids, windows, a.recall_rows, a.seed, step).to(self.device, non_blocking=True)
+            watch = observing(self.teacher, self.far) if self.far else nullcontext()
+            with torch.no_grad(), autocast(self.device), watch:
+                t_out = (model_hidden(self.teacher, ids, hidden) if self.fused
+                         else self.teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden))
+            weights = self.far.weights(a.far_weight) if self.far else None
+            last = j == self.sched.accum - 1
+            with nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync():
+                with autocast(self.device):
+                    s_out = (model_hidden(self.model, ids, hidden) if self.fused
+                             else self.model(input_ids=ids, use_cache=False, output_hidden_states=hidden))
+                heads = (output_head(self.student), output_head(self.teacher)) if self.fused else None
+                loss, parts = kd_loss(s_out, t_out, ids, a, weights, heads, self.kernel)
+                (loss / self.sched.accum).backward()
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + v / self.sched.accum
+        return sums
+
+
 def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.Tensor, args: TrainArgs,
             out: str | Path, *, resume: bool = True, eval_batch_size: int = 4, ctx: Dist | None = None,
             desc: str = "distill", on_step=None, deadline: float | None = None,
@@ -675,22 +750,11 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     out = Path(out)
     device = next(student.parameters()).device
     n_rows, seq = rows.shape
-    if n_rows < 1:
-        raise ValueError("distill: no training rows")
-    if args.batch_size % ctx.world:
-        raise ValueError(f"train batch_size={args.batch_size} must be a multiple of the {ctx.world} processes")
-    per_rank = args.batch_size // ctx.world
-    micro = min(args.micro_batch_size or per_rank, per_rank)
-    if per_rank % micro:
-        raise ValueError(f"train micro_batch_size={micro} must divide the per-process batch {per_rank}")
-    accum = per_rank // micro
-    tokens_per_step = args.batch_size * seq
-    steps = max(1, math.ceil(args.tokens / tokens_per_step))
-    eval_every = args.eval_every or max(1, steps // 8)
+    sched = schedule(args, n_rows, seq, ctx.world)
+    steps, tokens_per_step = sched.steps, sched.tokens_per_step
     heldout = heldout[: heldout.shape[0] - heldout.shape[0] % ctx.world] if ctx.world > 1 else heldout
 
-    names = trainable_names(student, args.train)
-    trained = set(names)
+    trained = set(trainable_names(student, args.train))
     identity = run_identity(student, trained, teacher_spec, args, {**(data or {}), "seq_len": seq})
     for n, p in student.named_parameters():
         p.requires_grad_(n in trained)
@@ -712,12 +776,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         compile_layers(*to_compile)
     model = wrap(student, ctx, args.parallel, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = {id(p) for p in params if p.ndim >= 2}
-    opt = torch.optim.AdamW([{"params": [p for p in params if id(p) in decay], "weight_decay": args.weight_decay},
-                             {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                            fused=(device.type == "cuda" and ctx.world == 1) or None)  # one kernel per step
-    warmup_steps = math.ceil(args.warmup * steps)
+    opt = make_optimizer(params, args, device, ctx.world)
+    train_step = Step(model, student, teacher, args, sched, device, fused, far, kernel)
 
     start = 0
     meta = resume_checkpoint(out, model, opt, identity) if resume else None
@@ -729,10 +789,6 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     if ctx.main:
         out.mkdir(parents=True, exist_ok=True)
     metrics = Metrics(out / METRICS, start, ctx.main)
-
-    fpt = flops_per_token(student, teacher, trained)
-    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
-                                     if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
     extra = {"steps": steps, "tokens_per_step": tokens_per_step, "identity": identity}
 
     def evaluate(step):
@@ -754,32 +810,13 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     model.train()
     bar = tqdm(range(start + 1, steps + 1), desc=desc, disable=not ctx.main, unit="step", leave=False)
     clock = Clock(device)
-    last, stop = {}, False
+    stop = False
     for step in bar:
-        factor = warmup_cosine(step, steps, warmup_steps)
+        factor = warmup_cosine(step, steps, sched.warmup_steps)
         for g in opt.param_groups:
             g["lr"] = args.lr * factor
         mine = step_windows(n_rows, args.batch_size, step, args.seed, ctx.rank, ctx.world)  # (per_rank,)
-        sums = {}
-        for j in range(accum):
-            windows = mine[j * micro:(j + 1) * micro]
-            ids = repeat_spans(rows[windows], windows, args.repeat_spans, args.seed, step)
-            ids = recall_rows(ids, windows, args.recall_rows, args.seed, step).to(device, non_blocking=True)
-            hidden = args.hidden_weight > 0
-            with torch.no_grad(), autocast(device), observing(teacher, far) if far else nullcontext():
-                t_out = (model_hidden(teacher, ids, hidden) if fused
-                         else teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden))
-            weights = far.weights(args.far_weight) if far else None
-            sync = nullcontext() if j == accum - 1 or not hasattr(model, "no_sync") else model.no_sync()
-            with sync:
-                with autocast(device):
-                    s_out = (model_hidden(model, ids, hidden) if fused
-                             else model(input_ids=ids, use_cache=False, output_hidden_states=hidden))
-                heads = (output_head(student), output_head(teacher)) if fused else None
-                loss, parts = kd_loss(s_out, t_out, ids, args, weights, heads, kernel)
-                (loss / accum).backward()
-            for k, v in parts.items():
-                sums[k] = sums.get(k, 0.0) + v / accum
+        sums = train_step.run(rows, mine, step)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -787,8 +824,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             clock.start()
         if step % args.log_every == 0 or step == steps:
             keys = sorted(sums)
-            vals = all_sum([float(sums[k]) for k in keys], ctx, device)
-            last = {k: v / ctx.world for k, v in zip(keys, vals)}
+            last = {k: v / ctx.world for k, v in zip(keys, all_sum([float(sums[k]) for k in keys], ctx, device))}
             rec = {"step": step, "tokens": step * tokens_per_step, "lr": args.lr * factor,
                    "grad_norm": float(grad_norm), **last}
             tps = clock.rate((step - start - 1) * tokens_per_step)
@@ -799,7 +835,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             if not math.isfinite(last["loss"]):
                 raise RuntimeError(f"{desc}: the loss is {last['loss']} at step {step}; lower --train.lr "
                                    "(checkpoints before this step are kept)")
-        if step % eval_every == 0 or step == steps:
+        if step % sched.eval_every == 0 or step == steps:
             with clock.paused():
                 kl = evaluate(step)["heldout_kl"]
             if ctx.main and start_kl is not None and kl > start_kl:  # moving away from the teacher: lr too high
@@ -820,24 +856,32 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
 
     if compiled:
         uncompile_layers(*to_compile)
-    records = metrics.read() if ctx.main else []
-    evals = [r for r in records if "heldout_loss" in r]
-    tps = clock.rate(((step if stop else steps) - start - 1) * tokens_per_step)
-    report = {
-        "steps": steps, "tokens": steps * tokens_per_step, "tokens_per_step": tokens_per_step, "seq_len": seq,
-        "processes": ctx.world, "parallel": args.parallel if ctx.world > 1 else None, "trained": args.train,
-        "trained_params": sum(p.numel() for n, p in student.named_parameters() if n in trained),
-        "eval_tokens": [r["tokens"] for r in evals], "heldout_loss": [r["heldout_loss"] for r in evals],
-        "heldout_kl": [r["heldout_kl"] for r in evals], "tokens_per_s": tps,
-        "flops_per_token": fpt, "mfu": tps * fpt / (peak * 1e12) / ctx.world if tps and peak else None,
-        "resumed_from": start or None,
-    }
+    done = step if stop else steps
+    report = run_report(student, teacher, trained, args, sched, seq, ctx, device, metrics, start,
+                        clock.rate((done - start - 1) * tokens_per_step))
     if stop:
         report["stopped_at"] = step
     return report
 
 
-# --- the stage ---------------------------------------------------------------------------------------------------
+def run_report(student, teacher, trained: set[str], args: TrainArgs, sched: Schedule, seq: int, ctx: Dist, device,
+               metrics: Metrics, start: int, tps: float | None) -> dict:
+    """The run's figures: its schedule, the held-out curve, throughput and MFU."""
+    evals = [r for r in (metrics.read() if ctx.main else []) if "heldout_loss" in r]
+    fpt = flops_per_token(student, teacher, trained)
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
+                                     if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
+    return {
+        "steps": sched.steps, "tokens": sched.steps * sched.tokens_per_step, "tokens_per_step": sched.tokens_per_step,
+        "seq_len": seq, "processes": ctx.world, "parallel": args.parallel if ctx.world > 1 else None,
+        "trained": args.train, "trained_params": sum(p.numel() for n, p in student.named_parameters() if n in trained),
+        "eval_tokens": [r["tokens"] for r in evals], "heldout_loss": [r["heldout_loss"] for r in evals],
+        "heldout_kl": [r["heldout_kl"] for r in evals], "tokens_per_s": tps,
+        "flops_per_token": fpt, "mfu": tps * fpt / (peak * 1e12) / ctx.world if tps and peak else None,
+        "resumed_from": start or None,
+    }
+
+
 @writes_out("distill")
 def run_distill(args: DistillArgs) -> dict:
     """Distil a converted hybrid toward its teacher; resumable, torchrun-ready; writes report.json and model/."""
