@@ -25,3 +25,18 @@ def test_distill_throughput_tiny_runs_both_loss_paths(tmp_path):
     assert res["commit"] and "args" in res and "env" in res
     md = out.with_suffix(".md").read_text()
     assert "| fused | 2 x 32 | 128 |" in md and "Loss curves over 4 steps" in md
+
+
+def test_distill_throughput_reruns_a_path_for_the_noise_floor(tmp_path):
+    """--heads logits,fused,logits: the second logits run is compared with the first (on a CPU, bitwise the same)."""
+    out = tmp_path / "thr.json"
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "distill_throughput.py"), "--tiny", "--device", "cpu",
+                        "--heads", "logits,fused,logits", "--out", str(out)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [x["head"] for x in res["rows"]] == ["logits", "fused", "logits"]
+    again = res["comparison"]["same_path_rerun"]
+    assert again["head"] == "logits" and again["steps"] == 4 and again["max_abs_loss_diff"] == 0.0
+    assert "The same path (logits) run again" in out.with_suffix(".md").read_text()
