@@ -532,20 +532,14 @@ START_OVER = "--resume false --overwrite true"  # what starts a new run over an 
 
 def check_fresh_out(out: Path, resume: bool, overwrite: bool) -> None:
     """Before any work: a run that will start afresh in `out` (not `resume`, or no checkpoint there) over an earlier
-    run's output needs `overwrite` (that output is deleted as the run starts: `clear_run`); a file or folder of the
-    user's with a name the run writes (report.json, metrics.jsonl, model/) is never replaced."""
+    run's output needs `overwrite` (that output is deleted as the run starts: `clear_run`). A user's file or folder of
+    a name the run writes is never replaced (`checks.check_out`, before this)."""
     if resume and any((out / CKPT_DIR).glob("step_*")):
         return  # resumed, or refused naming what differs (resume_checkpoint)
-    if is_output_of(out, "distill"):
-        if not overwrite:
-            why = "--resume false starts a new run there" if not resume else "it holds no checkpoint to resume from"
-            raise FileExistsError(f"--out {out} holds an earlier distill run's output and {why}; pass --overwrite true "
-                                  "to replace it (deleted as the run starts), or another --out")
-        return
-    theirs = [n for n in (REPORT, METRICS, "model") if (out / n).exists() or (out / n).is_symlink()]
-    if theirs:
-        raise FileExistsError(f"--out {out} holds a {theirs[0]} that distill did not write, which the run would "
-                              "replace; pass another --out (or move it away)")
+    if is_output_of(out, "distill") and not overwrite:
+        why = "--resume false starts a new run there" if not resume else "it holds no checkpoint to resume from"
+        raise FileExistsError(f"--out {out} holds an earlier distill run's output and {why}; pass --overwrite true "
+                              "to replace it (deleted as the run starts), or another --out")
 
 
 def clear_run(out: Path) -> None:

@@ -95,21 +95,73 @@ def test_the_same_command_again_resumes_without_overwrite(ow):
     assert json.loads((d / "report.json").read_text())["resumed_from"] == 4
 
 
-@pytest.mark.parametrize("name", ["model", "report.json", "metrics.jsonl"])
-def test_overwrite_never_replaces_a_users_file_of_a_name_distill_writes(ow, name):
-    """--overwrite true writes distill's files among a user's: a model/ folder, report.json or metrics.jsonl of
-    theirs would have been replaced (the folder by the trained model). Refused, untouched."""
-    d = ow[0] / f"users_{name}"
+# --- a user's file of a name a command writes ---------------------------------------------------------------------
+USERS = [("distill", "model"), ("distill", "report.json"), ("distill", "metrics.jsonl"),
+         ("distill", "checkpoints/step_00000001"), ("eval", "report.json"), ("eval", "niah_answers.jsonl"),
+         ("ablate", "ablation.json"), ("ablate", "ablation.md"), ("damage", "damage.json"), ("damage", "damage.md"),
+         ("tradeoff", "tradeoff.json"), ("tradeoff", "tradeoff.png"), ("tradeoff", "e2e_heads_0.25_0_0"),
+         ("recovery", "recovery.json"), ("recovery", "recovery.md"), ("recovery", "runs/uniform__copy")]
+
+
+def _argv(ow, command, out):
+    root, teacher, corpus, hybrid, run = ow
+    data = ["--data.source", corpus, "--device", "cpu"]
+    argv = {"distill": ["distill", "--student", hybrid, *TRAIN, "--data.source", corpus],
+            "eval": ["eval", "--model", hybrid, *data, "--data.seq_len", "32", "--data.eval_seqs", "2"],
+            "tokenize": ["tokenize", "--model", teacher, "--data.source", corpus]}.get(command,
+                                                                                       [command, "--teacher", teacher,
+                                                                                        *data])
+    return [*argv, "--out", out]
+
+
+@pytest.mark.parametrize("command,name", USERS, ids=[f"{c}-{n}" for c, n in USERS])
+def test_overwrite_never_replaces_a_users_file_of_a_name_the_command_writes(ow, command, name):
+    """--overwrite true writes a command's files among a user's: their report.json, damage.md, tradeoff.png,
+    model/ folder, a run directory recovery trains in (its checkpoints deleted), ... was replaced. Refused before any
+    work, naming the file and the fix, untouched; one check (checks._OUTPUTS) for every command."""
+    d = ow[0] / f"users_{command}_{name.replace('/', '_')}"
     shutil.rmtree(d, ignore_errors=True)
-    d.mkdir()
-    if name == "model":
-        (d / "model").mkdir()
-        (d / "model" / "weights.bin").write_bytes(b"mine")
+    (d / name).parent.mkdir(parents=True)
+    (d / "notes.txt").write_text("mine\n")
+    if "." not in Path(name).name or name.startswith("e2e"):  # a folder of theirs
+        (d / name).mkdir()
+        (d / name / "weights.bin").write_bytes(b"mine")
     else:
         (d / name).write_text('{"mine": 1}\n')
     before = tree(d)
-    fails(_distill(ow, d, "--overwrite", "true"), rf"holds a {name} that distill did not write",
-          "pass another --out")
+    fails(main(*_argv(ow, command, d), "--overwrite", "true"),
+          rf"holds a {name} that is not an earlier `{command}` output's", "pass another --out", rf"or move {name} away")
+    assert tree(d) == before
+
+
+def test_overwrite_writes_among_a_users_other_files(ow):
+    """What --overwrite true is for: eval into a directory of the user's whose names it does not write; their files
+    stay as they were."""
+    d = ow[0] / "users_other_files"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir()
+    (d / "notes.txt").write_text("mine\n")
+    (d / "report.md").write_text("mine\n")
+    before = tree(d)
+    succeeds(main(*_argv(ow, "eval", d), "--overwrite", "true"))
+    assert json.loads((d / "report.json").read_text())["model_ppl"] > 0
+    assert {k: v for k, v in tree(d).items() if k != "report.json"} == before
+
+
+def test_a_huge_json_file_is_not_read_whole_nor_taken_for_ours(ow):
+    """Whether a file is a command's own was decided by reading it whole: a user's multi-megabyte report.json holding
+    eval's keys was read into memory, taken for an earlier eval output and replaced without --overwrite. Past the cap
+    (checks._MARK_BYTES) a file is not ours: refused without --overwrite, and with it, untouched."""
+    from taylor_calibrate import checks
+
+    d = ow[0] / "huge_report"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir()
+    assert checks._MARK_BYTES < 5 << 20
+    (d / "report.json").write_text(json.dumps({"model": "mine", "model_ppl": 1.0, "pad": "x" * (5 << 20)}))
+    before = tree(d)
+    fails(main(*_argv(ow, "eval", d)), "not an earlier `eval` output", "pass a new or empty directory")
+    fails(main(*_argv(ow, "eval", d), "--overwrite", "true"), "holds a report.json that is not an earlier `eval`")
     assert tree(d) == before
 
 
@@ -139,12 +191,7 @@ def test_a_users_directory_with_look_alike_names_is_not_taken_for_an_earlier_out
         (d / name).parent.mkdir(parents=True, exist_ok=True)
         (d / name).write_text(text)
     before = tree(d)
-    data = ["--data.source", corpus, "--device", "cpu"]
-    argv = {"distill": ["distill", "--student", hybrid, *data], "eval": ["eval", "--model", hybrid, *data],
-            "tokenize": ["tokenize", "--model", teacher, "--data.source", corpus]}.get(command,
-                                                                                       [command, "--teacher", teacher,
-                                                                                        *data])
-    fails(main(*argv, "--out", d), f"not an earlier `{command}` output", "pass a new or empty directory")
+    fails(main(*_argv(ow, command, d)), f"not an earlier `{command}` output", "pass a new or empty directory")
     assert tree(d) == before
 
 
