@@ -527,7 +527,8 @@ def read_checkpoint(ckpt: Path, model) -> tuple[dict, dict, dict]:
     return meta, msd, {"state": state, "param_groups": groups}
 
 
-START_OVER = "--resume false --overwrite true"  # what starts a new run over an earlier one in --out
+START_OVER = ("pass a new --out, or --resume false --overwrite true to start over there (the earlier run's output is "
+              "deleted)")  # how a `distill` run that cannot be resumed is started over: named in its refusals
 
 
 def check_fresh_out(out: Path, resume: bool, overwrite: bool) -> None:
@@ -552,9 +553,10 @@ def clear_run(out: Path) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
+def resume_checkpoint(out: Path, model, opt, identity: dict, start_over: str = START_OVER) -> dict | None:
     """Restore the newest usable checkpoint of this run (falling back to the one before a damaged one) and return its
-    meta; None when there is none. A checkpoint of another run is refused, naming what differs."""
+    meta; None when there is none. A checkpoint of another run is refused, naming what differs and `start_over` (how
+    the calling command starts the run over)."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
     root = out / CKPT_DIR
     found = sorted(root.glob("step_*"), reverse=True) if root.is_dir() else []
@@ -570,12 +572,11 @@ def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
             continue
         if "identity" not in meta:
             raise ValueError(f"checkpoint {ckpt} records no run identity (an older version wrote it), so it cannot be "
-                             f"told apart from another run's; pass a new --out, or {START_OVER} to start over there")
+                             f"told apart from another run's; {start_over}")
         diffs = identity_diff(meta["identity"], identity)
         if diffs:
-            raise ValueError(f"--out {out} holds checkpoints of another run, which differs in: {'; '.join(diffs)}. "
-                             f"Pass a new --out, or {START_OVER} to start this run over there (the other run's "
-                             "output is deleted)")
+            raise ValueError(f"{out} holds checkpoints of another run, which differs in: {'; '.join(diffs)}; "
+                             f"{start_over}")
         try:
             set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd,
                            options=_state_options(strict=False))  # frozen parameters are not in it; checked above
@@ -588,8 +589,7 @@ def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
             shutil.rmtree(bad, ignore_errors=True)  # later checkpoints of this run are rewritten from here
         return meta
     if damaged:
-        raise ValueError(f"no usable checkpoint in {root}: {'; '.join(why for _, why in damaged)}. Pass "
-                         f"{START_OVER} to start over (the run's output is deleted) or a new --out")
+        raise ValueError(f"no usable checkpoint in {root}: {'; '.join(why for _, why in damaged)}; {start_over}")
     return None
 
 
@@ -653,7 +653,7 @@ def flops_per_token(student, teacher, trained: set[str]) -> float:
 def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.Tensor, args: TrainArgs,
             out: str | Path, *, resume: bool = True, eval_batch_size: int = 4, ctx: Dist | None = None,
             desc: str = "distill", on_step=None, deadline: float | None = None,
-            teacher_spec: str | None = None, data: dict | None = None) -> dict:
+            teacher_spec: str | None = None, data: dict | None = None, start_over: str = START_OVER) -> dict:
     """Train `student` toward `teacher` for `args.tokens` tokens of `rows` (N windows of T tokens: token shards, or
     an (N, T) tensor); returns the run's report.
 
@@ -661,7 +661,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     unwrapped student (`recovery` scores NIAH there).
     Past `deadline` (time.monotonic()) the run checkpoints and returns early, its report marked "stopped_at": the
     same call later resumes it, so a long run fits in a series of time-limited jobs. `teacher_spec` and `data` (what
-    the rows were made from) go into the checkpoints' run identity.
+    the rows were made from) go into the checkpoints' run identity; `start_over` is how the calling command starts
+    the run over, named when its checkpoints cannot be resumed (another run's, damaged).
 
     `student` holds fp32 master weights; on CUDA the forward runs under bf16 autocast. Evaluations at step 0,
     every `eval_every` steps and at the end go to metrics.jsonl with the tokens seen so far."""
@@ -714,7 +715,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     warmup_steps = math.ceil(args.warmup * steps)
 
     start = 0
-    meta = resume_checkpoint(out, model, opt, identity) if resume else None
+    meta = resume_checkpoint(out, model, opt, identity, start_over) if resume else None
     if meta is not None:
         start = meta["step"]
         log.info("resuming %s from step %d of %d (%s)", desc, start, steps, out / CKPT_DIR)

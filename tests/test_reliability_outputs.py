@@ -165,6 +165,31 @@ def test_a_huge_json_file_is_not_read_whole_nor_taken_for_ours(ow):
     assert tree(d) == before
 
 
+# --- recovery's refusals name what recovery accepts -------------------------------------------------------------
+def test_recovery_names_its_own_fix_for_another_runs_checkpoints(ow):
+    """A recovery run directory holding another run's checkpoints (the command run again with other training
+    options) was refused with distill's fix, "--resume false --overwrite true": recovery has no --resume. It names
+    the run directory to delete, and doing so works."""
+    root, teacher, corpus, hybrid, run = ow
+    d = root / "recovery_restart"
+    shutil.rmtree(d, ignore_errors=True)
+    argv = [*_argv(ow, "recovery", d), "--keep_every", "2", "--profile", "quick", "--backend", "torch",
+            "--data.seq_len", "32", "--data.calib_seqs", "4", "--data.eval_seqs", "2", "--eval_batch_size", "2",
+            "--train.tokens", "256", "--train.batch_size", "2", "--policies", "[uniform]", "--inits", "[copy]",
+            "--extra", "[]", "--niah", "false"]
+    succeeds(main(*argv, "--time_limit_s", "0"))  # stops after its first step, checkpointed
+    run_dir = d / "runs" / "uniform__copy"
+    assert any((run_dir / "checkpoints").glob("step_*")) and not (run_dir / "result.json").exists()
+    before = tree(d)
+    err = fails(main(*argv, "--train.lr", "1e-2"), "holds checkpoints of another run", r"train\.lr",
+                rf"delete {run_dir} to run uniform / copy again from its start", "or pass a new --out")
+    assert "--resume" not in err and "--overwrite" not in err
+    assert tree(d) == before
+    shutil.rmtree(run_dir)
+    succeeds(main(*argv, "--train.lr", "1e-2"))
+    assert json.loads((d / "recovery.json").read_text())["complete"]
+
+
 # --- outputs recognised by content, not by name ------------------------------------------------------------------
 LOOK_ALIKES = {
     "distill": {"metrics.jsonl": '{"epoch": 1, "loss": 2.5}\n', "checkpoints/latest.json": '{"path": "mine.pt"}'},
