@@ -33,7 +33,7 @@ _OUTPUTS = {
     "convert": [("report.json", ("hybrid_ppl", "layer_types"))],
     "eval": [("report.json", ("model", "model_ppl")), ("niah_answers.jsonl", ("model", *_ANSWERS))],
     "distill": [("metrics.jsonl", _METRICS), ("checkpoints/latest.json", _LATEST),
-                ("report.json", ("heldout_kl", "tokens_per_step")),
+                ("report.json", ("heldout_kl", "tokens_per_step")),  # written last: model/ is complete (`finished`)
                 ("model", None), ("checkpoints/step_*", None), ("checkpoints/.step_*", None)],
     "ablate": [("ablation.json", ("rows", "teacher_ppl", "kept")), ("ablation.md", None)],
     "recovery": [("recovery.json", ("teacher_loss", "policies")), ("mixers/layers.json", ("kept", "scores")),
@@ -82,6 +82,12 @@ def _marks(command: str) -> list[tuple[str, tuple[str, ...]]]:
 def is_output_of(path: Path, command: str) -> bool:
     """Whether directory `path` holds an earlier output of `command`, by the content of the files it writes."""
     return any(_written_by(f, keys) for name, keys in _marks(command) for f in _found(Path(path), name))
+
+
+def finished(out: Path) -> bool:
+    """Whether distill output `out` holds the report.json a run writes last, which marks its model/ complete: a run
+    stopped before it, or resumed since (which removes it first), has none."""
+    return _written_by(Path(out) / "report.json", dict(_marks("distill"))["report.json"])
 
 
 def _local(spec: str | None) -> Path | None:

@@ -543,13 +543,23 @@ def check_fresh_out(out: Path, resume: bool, overwrite: bool) -> None:
                               "to replace it (deleted as the run starts), or another --out")
 
 
+def clear_result(out: Path) -> None:
+    """Delete a run's finished output from `out`: report.json first (written last, it marks model/ complete:
+    `checks.finished`), then model/. A resumed run does this as it resumes, so no report of an earlier stop stands
+    beside its new checkpoints; its end writes both again."""
+    (out / REPORT).unlink(missing_ok=True)
+    shutil.rmtree(out / "model", ignore_errors=True)
+
+
 def clear_run(out: Path) -> None:
-    """Delete an earlier run's files from `out` (report.json first, then model/, metrics.jsonl and its checkpoints),
-    nothing else: a run starting afresh never sits beside another's output; a user's other files stay."""
+    """Delete an earlier run's files from `out` (its result first: `clear_result`, then metrics.jsonl and its
+    checkpoints), nothing else: a run starting afresh never sits beside another's output; a user's other files
+    stay."""
+    clear_result(out)
     ckpt = out / CKPT_DIR
-    for f in (out / REPORT, out / METRICS, ckpt / "latest.json"):
+    for f in (out / METRICS, ckpt / "latest.json"):
         f.unlink(missing_ok=True)
-    for d in [out / "model", *ckpt.glob("step_*"), *ckpt.glob(".step_*")]:
+    for d in [*ckpt.glob("step_*"), *ckpt.glob(".step_*")]:
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -719,6 +729,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     if meta is not None:
         start = meta["step"]
         log.info("resuming %s from step %d of %d (%s)", desc, start, steps, out / CKPT_DIR)
+        if ctx.main:  # an earlier stop's report and model/ do not stand beside the new checkpoints
+            clear_result(out)
     elif ctx.main:
         clear_run(out)
     if ctx.main:
@@ -869,7 +881,7 @@ def run_distill(args: DistillArgs) -> dict:
     full = get_model_state_dict(student, options=_state_options(cpu_offload=ctx.world > 1))
     if ctx.main:
         check_finite(full, "the distilled model")
-        with staged_dir(out / "model") as tmp:  # complete or not at all
+        with staged_dir(out / "model") as tmp:  # complete or not at all; report.json, written last, marks it so
             student.save_pretrained(tmp, state_dict=full, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
         report.update(student=args.student, teacher=teacher_spec, train_rows=len(train_rows),

@@ -1,7 +1,8 @@
 """Whose output an --out holds, through the CLI: an earlier output is recognised by the content of the files its
-command writes (a user's directory holding files or folders of the same names is refused, untouched), and a distill
-run started over an earlier one needs --overwrite true, which deletes that output as the run starts, so the directory
-never mixes two runs."""
+command writes (a user's directory holding files or folders of the same names is refused, untouched, and --overwrite
+true never writes over one of them), and a distill run started over an earlier one needs --overwrite true, which
+deletes that output as the run starts, so the directory never mixes two runs; a distill model/ is complete once its
+report.json, written last, stands beside it."""
 import json
 import shutil
 from pathlib import Path
@@ -188,6 +189,61 @@ def test_recovery_names_its_own_fix_for_another_runs_checkpoints(ow):
     shutil.rmtree(run_dir)
     succeeds(main(*argv, "--train.lr", "1e-2"))
     assert json.loads((d / "recovery.json").read_text())["complete"]
+
+
+# --- distill's model/ and report.json: complete or not at all ---------------------------------------------------
+def test_a_model_without_its_report_is_incomplete_and_resuming_finishes_it(ow, monkeypatch):
+    """distill writes model/ then report.json: a run stopped between the two left a complete-looking model/ that eval
+    and export read as the run's result. The report, written last, marks it complete: without it the model is
+    refused naming the fix (run the command again), and running it again resumes and writes both."""
+    from taylor_calibrate import distill
+
+    root, teacher, corpus, hybrid, run = ow
+    d = _copy(run, root / "stopped_before_report")
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(distill, "record", stop)  # killed after model/, before report.json
+        rc, log = _distill(ow, d)
+    assert rc == 130, log[-2000:]
+    assert (d / "model" / "model.safetensors").exists() and not (d / "report.json").exists()
+    before = tree(d)
+    for argv in (["eval", "--model", d / "model", "--data.source", corpus, "--device", "cpu", "--out", root / "ev"],
+                 ["export", "--model", d / "model", "--out", root / "ex"]):
+        fails(main(*argv), rf"{d / 'model'} is the model of the distill run in {d}, which has not finished",
+              "report.json, written last, is missing", "run that distill command again to finish it")
+    assert tree(d) == before and not (root / "ev").exists() and not (root / "ex").exists()
+    succeeds(_distill(ow, d))
+    assert json.loads((d / "report.json").read_text())["resumed_from"] == 4
+    succeeds(main("eval", "--model", d / "model", "--data.source", corpus, "--device", "cpu", "--data.seq_len", "32",
+                  "--data.eval_seqs", "2", "--out", root / "ev"))
+
+
+def test_a_resumed_run_removes_the_earlier_stops_report_and_model_first(ow, monkeypatch):
+    """A resumed run kept the earlier stop's report.json and model/ until it ended: one killed midway left an old
+    report beside newer checkpoints. Resuming removes them first (report.json before model/); the run's end writes
+    both again."""
+    from taylor_calibrate import distill
+
+    root, teacher, corpus, hybrid, run = ow
+    d = _copy(run, root / "resumed_then_killed")
+    shutil.rmtree(d / "checkpoints" / "step_00000004")  # resumes from step 3 (the run keeps two) and trains step 4
+    (d / "notes.txt").write_text("mine\n")
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(distill, "save_checkpoint", killed)  # killed at its first checkpoint after resuming
+        rc, log = _distill(ow, d)
+    assert rc == 130, log[-2000:]
+    assert not (d / "report.json").exists() and not (d / "model").exists()
+    assert sorted(p.name for p in (d / "checkpoints").glob("step_*")) == ["step_00000003"]
+    assert (d / "notes.txt").read_text() == "mine\n"
+    succeeds(_distill(ow, d))
+    assert json.loads((d / "report.json").read_text())["resumed_from"] == 3 and (d / "model").is_dir()
 
 
 # --- outputs recognised by content, not by name ------------------------------------------------------------------
