@@ -1,7 +1,8 @@
 """Export: save a hybrid (safetensors + config + tokenizer + report.json) and load it back with clear errors.
 
 A model directory appears complete or not at all: it is written into a temporary sibling and renamed into place, so
-an earlier output is replaced only by that rename. Readers refuse a directory whose weights are corrupt, do not cover
+an earlier output is replaced only by that rename; a distill run's model/ counts as complete once the run's
+report.json, written last, stands beside it (`check_finished`). Readers refuse a directory whose weights are corrupt, do not cover
 every parameter of its config, are not finite, or whose report.json disagrees with its config.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from taylor_calibrate.checks import finished, is_output_of
 from taylor_calibrate.model.loading import REPORT, check_loaded, check_report
 from taylor_calibrate.results import umask, write_json
 
@@ -143,6 +145,16 @@ def save_hybrid(model, tokenizer, out_dir: str | Path, report: dict | None = Non
     return out
 
 
+def check_finished(path: Path) -> None:
+    """The model/ of a distill output is complete once the run has written its report.json beside it (last:
+    `checks.finished`): without one (the run stopped between the two writes, or is being resumed) it is refused."""
+    out = Path(path).resolve().parent
+    if Path(path).resolve().name == "model" and is_output_of(out, "distill") and not finished(out):
+        raise ValueError(f"{path} is the model of the distill run in {out}, which has not finished: its report.json, "
+                         "written last, is missing (the run stopped before it, or is being resumed); run that distill "
+                         "command again to finish it (it resumes), or pass a finished model")
+
+
 def check_safetensors(path: Path, fix: str) -> list[Path]:
     """The directory's *.safetensors files, each with a readable header and data that covers it."""
     from safetensors import safe_open
@@ -193,6 +205,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
         raise FileNotFoundError(f"{path} is not a directory; pass the output directory of `convert`")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the output of `convert`")
+    check_finished(path)
     check_json_files(path, fix)
     check_hybrid_config(path, json.loads((path / "config.json").read_text()), fix)
     if not check_safetensors(path, fix):

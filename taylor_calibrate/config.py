@@ -302,7 +302,7 @@ class PipelineArgs:
     """Seed of the random parts of the initialisation."""
     overwrite: bool = False
     """Write into a non-empty --out that is not an earlier output of this command (`convert` replaces its contents;
-    the experiments write among them, and refuse another command's output)."""
+    the experiments write among them, and refuse another command's output or a file of a name they write)."""
 
     def __post_init__(self):
         check_profile(self.profile)
@@ -449,7 +449,8 @@ class EvalArgs(NiahArgs):
     lm_eval_limit: int | None = None
     """Examples per lm-eval task (None: all)."""
     overwrite: bool = False
-    """Write into a non-empty --out that is not an earlier `eval` output."""
+    """Write into a non-empty --out that is not an earlier `eval` output (a report.json or niah_answers.jsonl there is
+    refused)."""
 
     def __post_init__(self):
         check_profile(self.profile)

@@ -527,40 +527,46 @@ def read_checkpoint(ckpt: Path, model) -> tuple[dict, dict, dict]:
     return meta, msd, {"state": state, "param_groups": groups}
 
 
-START_OVER = "--resume false --overwrite true"  # what starts a new run over an earlier one in --out
+START_OVER = ("pass a new --out, or --resume false --overwrite true to start over there (the earlier run's output is "
+              "deleted)")  # how a `distill` run that cannot be resumed is started over: named in its refusals
 
 
 def check_fresh_out(out: Path, resume: bool, overwrite: bool) -> None:
     """Before any work: a run that will start afresh in `out` (not `resume`, or no checkpoint there) over an earlier
-    run's output needs `overwrite` (that output is deleted as the run starts: `clear_run`); a file or folder of the
-    user's with a name the run writes (report.json, metrics.jsonl, model/) is never replaced."""
+    run's output needs `overwrite` (that output is deleted as the run starts: `clear_run`). A user's file or folder of
+    a name the run writes is never replaced (`checks.check_out`, before this)."""
     if resume and any((out / CKPT_DIR).glob("step_*")):
         return  # resumed, or refused naming what differs (resume_checkpoint)
-    if is_output_of(out, "distill"):
-        if not overwrite:
-            why = "--resume false starts a new run there" if not resume else "it holds no checkpoint to resume from"
-            raise FileExistsError(f"--out {out} holds an earlier distill run's output and {why}; pass --overwrite true "
-                                  "to replace it (deleted as the run starts), or another --out")
-        return
-    theirs = [n for n in (REPORT, METRICS, "model") if (out / n).exists() or (out / n).is_symlink()]
-    if theirs:
-        raise FileExistsError(f"--out {out} holds a {theirs[0]} that distill did not write, which the run would "
-                              "replace; pass another --out (or move it away)")
+    if is_output_of(out, "distill") and not overwrite:
+        why = "--resume false starts a new run there" if not resume else "it holds no checkpoint to resume from"
+        raise FileExistsError(f"--out {out} holds an earlier distill run's output and {why}; pass --overwrite true "
+                              "to replace it (deleted as the run starts), or another --out")
+
+
+def clear_result(out: Path) -> None:
+    """Delete a run's finished output from `out`: report.json first (written last, it marks model/ complete:
+    `checks.finished`), then model/. A resumed run does this as it resumes, so no report of an earlier stop stands
+    beside its new checkpoints; its end writes both again."""
+    (out / REPORT).unlink(missing_ok=True)
+    shutil.rmtree(out / "model", ignore_errors=True)
 
 
 def clear_run(out: Path) -> None:
-    """Delete an earlier run's files from `out` (report.json first, then model/, metrics.jsonl and its checkpoints),
-    nothing else: a run starting afresh never sits beside another's output; a user's other files stay."""
+    """Delete an earlier run's files from `out` (its result first: `clear_result`, then metrics.jsonl and its
+    checkpoints), nothing else: a run starting afresh never sits beside another's output; a user's other files
+    stay."""
+    clear_result(out)
     ckpt = out / CKPT_DIR
-    for f in (out / REPORT, out / METRICS, ckpt / "latest.json"):
+    for f in (out / METRICS, ckpt / "latest.json"):
         f.unlink(missing_ok=True)
-    for d in [out / "model", *ckpt.glob("step_*"), *ckpt.glob(".step_*")]:
+    for d in [*ckpt.glob("step_*"), *ckpt.glob(".step_*")]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
+def resume_checkpoint(out: Path, model, opt, identity: dict, start_over: str = START_OVER) -> dict | None:
     """Restore the newest usable checkpoint of this run (falling back to the one before a damaged one) and return its
-    meta; None when there is none. A checkpoint of another run is refused, naming what differs."""
+    meta; None when there is none. A checkpoint of another run is refused, naming what differs and `start_over` (how
+    the calling command starts the run over)."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
     root = out / CKPT_DIR
     found = sorted(root.glob("step_*"), reverse=True) if root.is_dir() else []
@@ -576,12 +582,11 @@ def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
             continue
         if "identity" not in meta:
             raise ValueError(f"checkpoint {ckpt} records no run identity (an older version wrote it), so it cannot be "
-                             f"told apart from another run's; pass a new --out, or {START_OVER} to start over there")
+                             f"told apart from another run's; {start_over}")
         diffs = identity_diff(meta["identity"], identity)
         if diffs:
-            raise ValueError(f"--out {out} holds checkpoints of another run, which differs in: {'; '.join(diffs)}. "
-                             f"Pass a new --out, or {START_OVER} to start this run over there (the other run's "
-                             "output is deleted)")
+            raise ValueError(f"{out} holds checkpoints of another run, which differs in: {'; '.join(diffs)}; "
+                             f"{start_over}")
         try:
             set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd,
                            options=_state_options(strict=False))  # frozen parameters are not in it; checked above
@@ -594,8 +599,7 @@ def resume_checkpoint(out: Path, model, opt, identity: dict) -> dict | None:
             shutil.rmtree(bad, ignore_errors=True)  # later checkpoints of this run are rewritten from here
         return meta
     if damaged:
-        raise ValueError(f"no usable checkpoint in {root}: {'; '.join(why for _, why in damaged)}. Pass "
-                         f"{START_OVER} to start over (the run's output is deleted) or a new --out")
+        raise ValueError(f"no usable checkpoint in {root}: {'; '.join(why for _, why in damaged)}; {start_over}")
     return None
 
 
@@ -734,7 +738,7 @@ class Step:
 def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.Tensor, args: TrainArgs,
             out: str | Path, *, resume: bool = True, eval_batch_size: int = 4, ctx: Dist | None = None,
             desc: str = "distill", on_step=None, deadline: float | None = None,
-            teacher_spec: str | None = None, data: dict | None = None) -> dict:
+            teacher_spec: str | None = None, data: dict | None = None, start_over: str = START_OVER) -> dict:
     """Train `student` toward `teacher` for `args.tokens` tokens of `rows` (N windows of T tokens: token shards, or
     an (N, T) tensor); returns the run's report.
 
@@ -742,7 +746,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     unwrapped student (`recovery` scores NIAH there).
     Past `deadline` (time.monotonic()) the run checkpoints and returns early, its report marked "stopped_at": the
     same call later resumes it, so a long run fits in a series of time-limited jobs. `teacher_spec` and `data` (what
-    the rows were made from) go into the checkpoints' run identity.
+    the rows were made from) go into the checkpoints' run identity; `start_over` is how the calling command starts
+    the run over, named when its checkpoints cannot be resumed (another run's, damaged).
 
     `student` holds fp32 master weights; on CUDA the forward runs under bf16 autocast. Evaluations at step 0,
     every `eval_every` steps and at the end go to metrics.jsonl with the tokens seen so far."""
@@ -780,10 +785,12 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     train_step = Step(model, student, teacher, args, sched, device, fused, far, kernel)
 
     start = 0
-    meta = resume_checkpoint(out, model, opt, identity) if resume else None
+    meta = resume_checkpoint(out, model, opt, identity, start_over) if resume else None
     if meta is not None:
         start = meta["step"]
         log.info("resuming %s from step %d of %d (%s)", desc, start, steps, out / CKPT_DIR)
+        if ctx.main:  # an earlier stop's report and model/ do not stand beside the new checkpoints
+            clear_result(out)
     elif ctx.main:
         clear_run(out)
     if ctx.main:
@@ -918,7 +925,7 @@ def run_distill(args: DistillArgs) -> dict:
     full = get_model_state_dict(student, options=_state_options(cpu_offload=ctx.world > 1))
     if ctx.main:
         check_finite(full, "the distilled model")
-        with staged_dir(out / "model") as tmp:  # complete or not at all
+        with staged_dir(out / "model") as tmp:  # complete or not at all; report.json, written last, marks it so
             student.save_pretrained(tmp, state_dict=full, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
         report.update(student=args.student, teacher=teacher_spec, train_rows=len(train_rows),

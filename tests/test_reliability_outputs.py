@@ -1,7 +1,8 @@
 """Whose output an --out holds, through the CLI: an earlier output is recognised by the content of the files its
-command writes (a user's directory holding files or folders of the same names is refused, untouched), and a distill
-run started over an earlier one needs --overwrite true, which deletes that output as the run starts, so the directory
-never mixes two runs."""
+command writes (a user's directory holding files or folders of the same names is refused, untouched, and --overwrite
+true never writes over one of them), and a distill run started over an earlier one needs --overwrite true, which
+deletes that output as the run starts, so the directory never mixes two runs; a distill model/ is complete once its
+report.json, written last, stands beside it."""
 import json
 import shutil
 from pathlib import Path
@@ -95,22 +96,154 @@ def test_the_same_command_again_resumes_without_overwrite(ow):
     assert json.loads((d / "report.json").read_text())["resumed_from"] == 4
 
 
-@pytest.mark.parametrize("name", ["model", "report.json", "metrics.jsonl"])
-def test_overwrite_never_replaces_a_users_file_of_a_name_distill_writes(ow, name):
-    """--overwrite true writes distill's files among a user's: a model/ folder, report.json or metrics.jsonl of
-    theirs would have been replaced (the folder by the trained model). Refused, untouched."""
-    d = ow[0] / f"users_{name}"
+# --- a user's file of a name a command writes ---------------------------------------------------------------------
+USERS = [("distill", "model"), ("distill", "report.json"), ("distill", "metrics.jsonl"),
+         ("distill", "checkpoints/step_00000001"), ("eval", "report.json"), ("eval", "niah_answers.jsonl"),
+         ("ablate", "ablation.json"), ("ablate", "ablation.md"), ("damage", "damage.json"), ("damage", "damage.md"),
+         ("tradeoff", "tradeoff.json"), ("tradeoff", "tradeoff.png"), ("tradeoff", "e2e_heads_0.25_0_0"),
+         ("recovery", "recovery.json"), ("recovery", "recovery.md"), ("recovery", "runs/uniform__copy")]
+
+
+def _argv(ow, command, out):
+    root, teacher, corpus, hybrid, run = ow
+    data = ["--data.source", corpus, "--device", "cpu"]
+    argv = {"distill": ["distill", "--student", hybrid, *TRAIN, "--data.source", corpus],
+            "eval": ["eval", "--model", hybrid, *data, "--data.seq_len", "32", "--data.eval_seqs", "2"],
+            "tokenize": ["tokenize", "--model", teacher, "--data.source", corpus]}.get(command,
+                                                                                       [command, "--teacher", teacher,
+                                                                                        *data])
+    return [*argv, "--out", out]
+
+
+@pytest.mark.parametrize("command,name", USERS, ids=[f"{c}-{n}" for c, n in USERS])
+def test_overwrite_never_replaces_a_users_file_of_a_name_the_command_writes(ow, command, name):
+    """--overwrite true writes a command's files among a user's: their report.json, damage.md, tradeoff.png,
+    model/ folder, a run directory recovery trains in (its checkpoints deleted), ... was replaced. Refused before any
+    work, naming the file and the fix, untouched; one check (checks._OUTPUTS) for every command."""
+    d = ow[0] / f"users_{command}_{name.replace('/', '_')}"
     shutil.rmtree(d, ignore_errors=True)
-    d.mkdir()
-    if name == "model":
-        (d / "model").mkdir()
-        (d / "model" / "weights.bin").write_bytes(b"mine")
+    (d / name).parent.mkdir(parents=True)
+    (d / "notes.txt").write_text("mine\n")
+    if "." not in Path(name).name or name.startswith("e2e"):  # a folder of theirs
+        (d / name).mkdir()
+        (d / name / "weights.bin").write_bytes(b"mine")
     else:
         (d / name).write_text('{"mine": 1}\n')
     before = tree(d)
-    fails(_distill(ow, d, "--overwrite", "true"), rf"holds a {name} that distill did not write",
-          "pass another --out")
+    fails(main(*_argv(ow, command, d), "--overwrite", "true"),
+          rf"holds a {name} that is not an earlier `{command}` output's", "pass another --out", rf"or move {name} away")
     assert tree(d) == before
+
+
+def test_overwrite_writes_among_a_users_other_files(ow):
+    """What --overwrite true is for: eval into a directory of the user's whose names it does not write; their files
+    stay as they were."""
+    d = ow[0] / "users_other_files"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir()
+    (d / "notes.txt").write_text("mine\n")
+    (d / "report.md").write_text("mine\n")
+    before = tree(d)
+    succeeds(main(*_argv(ow, "eval", d), "--overwrite", "true"))
+    assert json.loads((d / "report.json").read_text())["model_ppl"] > 0
+    assert {k: v for k, v in tree(d).items() if k != "report.json"} == before
+
+
+def test_a_huge_json_file_is_not_read_whole_nor_taken_for_ours(ow):
+    """Whether a file is a command's own was decided by reading it whole: a user's multi-megabyte report.json holding
+    eval's keys was read into memory, taken for an earlier eval output and replaced without --overwrite. Past the cap
+    (checks._MARK_BYTES) a file is not ours: refused without --overwrite, and with it, untouched."""
+    from taylor_calibrate import checks
+
+    d = ow[0] / "huge_report"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir()
+    assert checks._MARK_BYTES < 5 << 20
+    (d / "report.json").write_text(json.dumps({"model": "mine", "model_ppl": 1.0, "pad": "x" * (5 << 20)}))
+    before = tree(d)
+    fails(main(*_argv(ow, "eval", d)), "not an earlier `eval` output", "pass a new or empty directory")
+    fails(main(*_argv(ow, "eval", d), "--overwrite", "true"), "holds a report.json that is not an earlier `eval`")
+    assert tree(d) == before
+
+
+# --- recovery's refusals name what recovery accepts -------------------------------------------------------------
+def test_recovery_names_its_own_fix_for_another_runs_checkpoints(ow):
+    """A recovery run directory holding another run's checkpoints (the command run again with other training
+    options) was refused with distill's fix, "--resume false --overwrite true": recovery has no --resume. It names
+    the run directory to delete, and doing so works."""
+    root, teacher, corpus, hybrid, run = ow
+    d = root / "recovery_restart"
+    shutil.rmtree(d, ignore_errors=True)
+    argv = [*_argv(ow, "recovery", d), "--keep_every", "2", "--profile", "quick", "--backend", "torch",
+            "--data.seq_len", "32", "--data.calib_seqs", "4", "--data.eval_seqs", "2", "--eval_batch_size", "2",
+            "--train.tokens", "256", "--train.batch_size", "2", "--policies", "[uniform]", "--inits", "[copy]",
+            "--extra", "[]", "--niah", "false"]
+    succeeds(main(*argv, "--time_limit_s", "0"))  # stops after its first step, checkpointed
+    run_dir = d / "runs" / "uniform__copy"
+    assert any((run_dir / "checkpoints").glob("step_*")) and not (run_dir / "result.json").exists()
+    before = tree(d)
+    err = fails(main(*argv, "--train.lr", "1e-2"), "holds checkpoints of another run", r"train\.lr",
+                rf"delete {run_dir} to run uniform / copy again from its start", "or pass a new --out")
+    assert "--resume" not in err and "--overwrite" not in err
+    assert tree(d) == before
+    shutil.rmtree(run_dir)
+    succeeds(main(*argv, "--train.lr", "1e-2"))
+    assert json.loads((d / "recovery.json").read_text())["complete"]
+
+
+# --- distill's model/ and report.json: complete or not at all ---------------------------------------------------
+def test_a_model_without_its_report_is_incomplete_and_resuming_finishes_it(ow, monkeypatch):
+    """distill writes model/ then report.json: a run stopped between the two left a complete-looking model/ that eval
+    and export read as the run's result. The report, written last, marks it complete: without it the model is
+    refused naming the fix (run the command again), and running it again resumes and writes both."""
+    from taylor_calibrate import distill
+
+    root, teacher, corpus, hybrid, run = ow
+    d = _copy(run, root / "stopped_before_report")
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(distill, "record", stop)  # killed after model/, before report.json
+        rc, log = _distill(ow, d)
+    assert rc == 130, log[-2000:]
+    assert (d / "model" / "model.safetensors").exists() and not (d / "report.json").exists()
+    before = tree(d)
+    for argv in (["eval", "--model", d / "model", "--data.source", corpus, "--device", "cpu", "--out", root / "ev"],
+                 ["export", "--model", d / "model", "--out", root / "ex"]):
+        fails(main(*argv), rf"{d / 'model'} is the model of the distill run in {d}, which has not finished",
+              "report.json, written last, is missing", "run that distill command again to finish it")
+    assert tree(d) == before and not (root / "ev").exists() and not (root / "ex").exists()
+    succeeds(_distill(ow, d))
+    assert json.loads((d / "report.json").read_text())["resumed_from"] == 4
+    succeeds(main("eval", "--model", d / "model", "--data.source", corpus, "--device", "cpu", "--data.seq_len", "32",
+                  "--data.eval_seqs", "2", "--out", root / "ev"))
+
+
+def test_a_resumed_run_removes_the_earlier_stops_report_and_model_first(ow, monkeypatch):
+    """A resumed run kept the earlier stop's report.json and model/ until it ended: one killed midway left an old
+    report beside newer checkpoints. Resuming removes them first (report.json before model/); the run's end writes
+    both again."""
+    from taylor_calibrate import distill
+
+    root, teacher, corpus, hybrid, run = ow
+    d = _copy(run, root / "resumed_then_killed")
+    shutil.rmtree(d / "checkpoints" / "step_00000004")  # resumes from step 3 (the run keeps two) and trains step 4
+    (d / "notes.txt").write_text("mine\n")
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(distill, "save_checkpoint", killed)  # killed at its first checkpoint after resuming
+        rc, log = _distill(ow, d)
+    assert rc == 130, log[-2000:]
+    assert not (d / "report.json").exists() and not (d / "model").exists()
+    assert sorted(p.name for p in (d / "checkpoints").glob("step_*")) == ["step_00000003"]
+    assert (d / "notes.txt").read_text() == "mine\n"
+    succeeds(_distill(ow, d))
+    assert json.loads((d / "report.json").read_text())["resumed_from"] == 3 and (d / "model").is_dir()
 
 
 # --- outputs recognised by content, not by name ------------------------------------------------------------------
@@ -139,12 +272,7 @@ def test_a_users_directory_with_look_alike_names_is_not_taken_for_an_earlier_out
         (d / name).parent.mkdir(parents=True, exist_ok=True)
         (d / name).write_text(text)
     before = tree(d)
-    data = ["--data.source", corpus, "--device", "cpu"]
-    argv = {"distill": ["distill", "--student", hybrid, *data], "eval": ["eval", "--model", hybrid, *data],
-            "tokenize": ["tokenize", "--model", teacher, "--data.source", corpus]}.get(command,
-                                                                                       [command, "--teacher", teacher,
-                                                                                        *data])
-    fails(main(*argv, "--out", d), f"not an earlier `{command}` output", "pass a new or empty directory")
+    fails(main(*_argv(ow, command, d)), f"not an earlier `{command}` output", "pass a new or empty directory")
     assert tree(d) == before
 
 

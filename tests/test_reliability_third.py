@@ -71,7 +71,7 @@ def test_every_command_that_writes_has_output_marks():
     from taylor_calibrate.cli import COMMANDS
 
     writers = {name for name, (_, fn) in COMMANDS.items() if fn.__code__.co_name == "run"}  # wrapped by writes_out
-    assert writers and writers <= set(checks._OUTPUT_MARKS), writers - set(checks._OUTPUT_MARKS)
+    assert writers and writers <= set(checks._OUTPUTS), writers - set(checks._OUTPUTS)
 
 
 # --- `report` of a damaged results file -------------------------------------------------------------------------

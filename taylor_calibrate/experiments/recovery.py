@@ -450,7 +450,9 @@ def run_recovery(args: RecoveryArgs) -> dict:
               f"kept), {args.train.tokens:,} tokens")
         rep = distill(hybrid, model, train_rows, splits.heldout, args.train, run_dir,
                       eval_batch_size=args.eval_batch_size, ctx=ctx, desc=f"{policy}/{init}", on_step=score_niah,
-                      teacher_spec=args.teacher, deadline=deadline)
+                      teacher_spec=args.teacher, deadline=deadline,
+                      start_over=f"delete {run_dir} to run {policy} / {init} again from its start (the other runs "
+                                 "are kept), or pass a new --out")
         if rep.get("stopped_at") is not None:
             complete = False
             say(f"recovery: {policy} / {init} stopped at step {rep['stopped_at']} of {rep['steps']} (time limit); "

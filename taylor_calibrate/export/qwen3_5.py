@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from taylor_calibrate.checkpoint import check_hybrid_config, check_json_files, check_safetensors, check_state
+from taylor_calibrate.checkpoint import (check_finished, check_hybrid_config, check_json_files, check_safetensors,
+                                        check_state)
 from taylor_calibrate.model.hybrid_config import MIXER_TYPE, HybridConfig
 from taylor_calibrate.model.mixers import get_spec, spec_for_options
 from taylor_calibrate.model.mixers.calibration import constant_direction
@@ -238,6 +239,7 @@ def check_model_dir(path: Path) -> dict:
         raise FileNotFoundError(f"{path} is not a directory; pass the output directory of `convert`")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the output of `convert`")
+    check_finished(path)
     check_json_files(path, REWRITE)
     cfg = json.loads((path / "config.json").read_text())
     model_type = cfg.get("model_type")
