@@ -789,8 +789,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     if meta is not None:
         start = meta["step"]
         log.info("resuming %s from step %d of %d (%s)", desc, start, steps, out / CKPT_DIR)
-        if ctx.main:  # an earlier stop's report and model/ do not stand beside the new checkpoints
-            clear_result(out)
+        if ctx.main and start < steps:  # an earlier stop's report and model/ do not stand beside new checkpoints
+            clear_result(out)  # (a finished run run again trains nothing: its result stays until rewritten)
     elif ctx.main:
         clear_run(out)
     if ctx.main:
