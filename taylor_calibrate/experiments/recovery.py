@@ -9,11 +9,10 @@ itself, one student per init, all keeping the teacher's same retrieval heads. To
 N = the budget, whose final held-out loss the baseline reaches; N' = the fewest tokens (linearly interpolated
 between evaluations) at which the candidate reaches that loss.
 
-All runs read the same token shards (<out>/tokens, or --data.source when it is a shard directory) in the same order.
-NIAH retrieval is scored `niah_points` times along each run. Everything is resumable: built mixers and students are
-cached (safetensors), each run has its own directory with distill's atomic checkpoints and its NIAH records, and
-finished
-runs are kept, so a killed experiment continues where it stopped; `--time_limit_s` stops it cleanly, so a long
+All runs read the same token shards (the token cache's, or --data.source when it is a shard directory) in the same
+order. NIAH retrieval is scored `niah_points` times along each run. Everything is resumable: built mixers and
+students are cached (safetensors), each run has its own directory with distill's atomic checkpoints and its NIAH
+records, and finished runs are kept, so a killed experiment continues where it stopped; `--time_limit_s` stops it cleanly, so a long
 experiment runs as a series of time-limited jobs of one command. Under `torchrun --nproc_per_node K` every run trains
 data-parallel (DDP) over the K processes: the first process converts, tokenises and scores NIAH, the others read its
 caches.
@@ -328,6 +327,80 @@ def _main_first(ctx: Dist):
         dist.barrier()
 
 
+@dataclasses.dataclass
+class Students:
+    """Every policy's hybrids before training: layer-wise mixers (`built`, by init) or saved head-wise students."""
+    built: dict
+    align_reports: dict
+    students: dict
+    kept: dict
+    scores: dict
+    kv_fraction: dict
+    kept_groups: dict
+
+
+def prepare_students(teacher, splits, runs: list[tuple[str, str]], args: RecoveryArgs, backend: str, device,
+                     ctx: Dist, out: Path) -> Students:
+    """Build (or load from `out`) what each run starts from: mixers for layer-wise policies, whole students for
+    head-wise ones; the main process first, the others then read its files."""
+    n = teacher.model.config.num_hidden_layers
+    layer_runs = [(p, i) for p, i in runs if p not in CONVERTED]
+    built, align_reports, kept, scores = {}, {}, {}, {}
+    with _main_first(ctx):
+        if layer_runs:
+            specs = list(dict.fromkeys(parse_init(i) for _, i in layer_runs))
+            built, align_reports, kept, scores = build_or_load(teacher.model, splits, specs,
+                                                               list(dict.fromkeys(p for p, _ in layer_runs)), args,
+                                                               backend, device, out / "mixers")
+        students = build_or_load_students(teacher, runs, args, out / "students")
+    kv_fraction = {p: len(k) / n for p, k in kept.items()}
+    kept_groups = {}
+    for policy, by_init in students.items():
+        info = next(iter(by_init.values()))
+        kept[policy], scores[policy] = info["kept_layers"], info["policy_scores"]
+        kv_fraction[policy], kept_groups[policy] = info["kv_fraction"], info["headwise_kept_groups"]
+    return Students(built, align_reports, students, kept, scores, kv_fraction, kept_groups)
+
+
+def starting_hybrid(model, policy: str, init: str, st: Students, args: RecoveryArgs, out: Path):
+    """(the run's hybrid in fp32, its converted layers)."""
+    if policy in st.students:
+        info = st.students[policy][init]
+        return load_student(model, args, info, student_file(out / "students", policy, init)).float(), info["gdn_layers"]
+    converted = gdn_layers(st.kept[policy], model.config.num_hidden_layers)
+    hybrid = convert_teacher(model, converted, args.gdn, teacher_name=args.teacher, mixers=st.built[parse_init(init)])
+    return hybrid.float(), converted
+
+
+def run_result(rep: dict, converted: list[int], niah_file: Path, niah: bool) -> dict:
+    """A finished run's result.json: its held-out curve, speed and NIAH along the run."""
+    curve = sorted({r["step"]: r for r in _read_jsonl(niah_file)}.values(), key=lambda r: r["step"])
+    return {"tokens": rep["eval_tokens"], "heldout_loss": rep["heldout_loss"], "heldout_kl": rep["heldout_kl"],
+            "tokens_per_s": rep["tokens_per_s"], "mfu": rep["mfu"], "processes": rep["processes"],
+            "gdn_layers": converted,
+            "niah": {"start": curve[0]["scores"], "end": curve[-1]["scores"]} if niah else None,
+            "niah_curve": [{"tokens": r["tokens"], "scores": r["scores"]} for r in curve] if niah else None}
+
+
+def summary(results: dict, st: Students, speeds: list, policies: list[str], **fields) -> dict:
+    """recovery.json's content from the runs finished so far: tokens-to-match per policy, the students, mean speed."""
+    for rs in results.values():
+        if "copy" in rs and "taylor+align" in rs:
+            rs["tokens_to_match"] = tokens_to_match(rs["copy"], rs["taylor+align"])
+        if "align" in rs and "taylor+align" in rs:
+            rs["tokens_to_match_phase2only"] = tokens_to_match(rs["align"], rs["taylor+align"])
+    tps, mfus = [s for s, _ in speeds if s], [m for _, m in speeds if m]
+    return {
+        **fields, "kept_fraction": st.kv_fraction[policies[0]], "kv_fraction": st.kv_fraction, "kept": st.kept,
+        "kept_groups": st.kept_groups, "policy_scores": st.scores, "policies": results,
+        "students": {p: {i: {k: v for k, v in info.items() if k != "policy_scores"} for i, info in by_init.items()}
+                     for p, by_init in st.students.items()},
+        "throughput_tokens_per_s": sum(tps) / len(tps) if tps else None,
+        "mfu": sum(mfus) / len(mfus) if mfus else None,
+        "align": {m: {k: v for k, v in r.items() if k != "layers"} for m, r in st.align_reports.items()},
+    }
+
+
 @writes_out("recovery")
 def run_recovery(args: RecoveryArgs) -> dict:
     """Distil every policy x init on the same data and budget; curves, tokens-to-match table, NIAH along each run."""
@@ -350,27 +423,12 @@ def run_recovery(args: RecoveryArgs) -> dict:
     out = Path(args.out)
     teacher = load_teacher(args.teacher, device, dtype)
     model, tokenizer = teacher.model, teacher.tokenizer
-    n = model.config.num_hidden_layers
     d = args.data
     train_rows, heldout = distill_data(d, tokenizer, args.train.tokens, main=ctx.main,
                                        barrier=dist.barrier if ctx.world > 1 else None)
     splits = TokenSplits(calib=train_rows.first(d.calib_seqs), heldout=heldout)  # calibration: the first windows
     policies = list(dict.fromkeys(p for p, _ in runs))
-    layer_runs = [(p, i) for p, i in runs if p not in CONVERTED]
-    built, align_reports, kept, scores = {}, {}, {}, {}
-    with _main_first(ctx):
-        if layer_runs:
-            specs = list(dict.fromkeys(parse_init(i) for _, i in layer_runs))
-            built, align_reports, kept, scores = build_or_load(model, splits, specs,
-                                                               list(dict.fromkeys(p for p, _ in layer_runs)), args,
-                                                               backend, device, out / "mixers")
-        students = build_or_load_students(teacher, runs, args, out / "students")
-    kv_fraction = {p: len(k) / n for p, k in kept.items()}
-    kept_groups = {}
-    for policy, by_init in students.items():
-        info = next(iter(by_init.values()))
-        kept[policy], scores[policy] = info["kept_layers"], info["policy_scores"]
-        kv_fraction[policy], kept_groups[policy] = info["kv_fraction"], info["headwise_kept_groups"]
+    st = prepare_students(teacher, splits, runs, args, backend, device, ctx, out)
 
     teacher_loss = perplexity(model, splits.heldout, args.eval_batch_size, "teacher loss")["nll"]
     teacher_niah_file = out / "teacher_niah.json"
@@ -386,27 +444,11 @@ def run_recovery(args: RecoveryArgs) -> dict:
 
     def summarize() -> dict:
         """recovery.json / .md / curves from the runs finished so far (rewritten after each run)."""
-        for policy, rs in results.items():
-            if "copy" in rs and "taylor+align" in rs:
-                rs["tokens_to_match"] = tokens_to_match(rs["copy"], rs["taylor+align"])
-            if "align" in rs and "taylor+align" in rs:
-                rs["tokens_to_match_phase2only"] = tokens_to_match(rs["align"], rs["taylor+align"])
-        tps = [s for s, _ in speeds if s]
-        mfus = [m for _, m in speeds if m]
-        result = {
-            "teacher": args.teacher, "teacher_loss": teacher_loss, "budget_tokens": args.train.tokens,
-            "kept_fraction": kv_fraction[policies[0]], "kv_fraction": kv_fraction, "kept": kept,
-            "kept_groups": kept_groups, "policy_scores": scores, "policies": results,
-            "students": {p: {i: {k: v for k, v in info.items() if k != "policy_scores"} for i, info in by_init.items()}
-                         for p, by_init in students.items()},
-            "teacher_niah": teacher_niah, "niah_lengths": args.niah_lengths, "niah_tasks": args.niah_tasks,
-            "tokens_dir": str(train_rows.root), "train_windows": len(train_rows), "complete": complete,
-            "throughput_tokens_per_s": sum(tps) / len(tps) if tps else None,
-            "mfu": sum(mfus) / len(mfus) if mfus else None,
-            "align": {m: {k: v for k, v in r.items() if k != "layers"} for m, r in align_reports.items()},
-            "profile": profile, "backend": backend, "train_backend": train_backend, "device": str(device),
-            "wall_s": time.perf_counter() - t0,
-        }
+        result = summary(results, st, speeds, policies, teacher=args.teacher, teacher_loss=teacher_loss,
+                         budget_tokens=args.train.tokens, teacher_niah=teacher_niah, niah_lengths=args.niah_lengths,
+                         niah_tasks=args.niah_tasks, tokens_dir=str(train_rows.root), train_windows=len(train_rows),
+                         complete=complete, profile=profile, backend=backend, train_backend=train_backend,
+                         device=str(device), wall_s=time.perf_counter() - t0)
         result = record(out / "recovery.json", result, args)
         (out / "recovery.md").write_text(markdown(result))
         plot_curves(result, out / "recovery_curves.png")
@@ -424,14 +466,7 @@ def run_recovery(args: RecoveryArgs) -> dict:
             complete = False
             break
         worked = True
-        if policy in students:
-            converted = students[policy][init]["gdn_layers"]
-            hybrid = load_student(model, args, students[policy][init],
-                                  student_file(out / "students", policy, init)).float()
-        else:
-            converted = gdn_layers(kept[policy], n)
-            hybrid = convert_teacher(model, converted, args.gdn, teacher_name=args.teacher,
-                                     mixers=built[parse_init(init)]).float()
+        hybrid, converted = starting_hybrid(model, policy, init, st, args, out)
         hybrid.set_backend(train_backend)
         run_dir.mkdir(parents=True, exist_ok=True)
         niah_file = run_dir / "niah.jsonl"
@@ -446,8 +481,8 @@ def run_recovery(args: RecoveryArgs) -> dict:
             with niah_file.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
 
-        say(f"\nrecovery: {policy} / {init}: {len(converted)} GDN layers ({kv_fraction[policy]:.1%} of the KV cache "
-              f"kept), {args.train.tokens:,} tokens")
+        say(f"\nrecovery: {policy} / {init}: {len(converted)} GDN layers ({st.kv_fraction[policy]:.1%} of the KV "
+            f"cache kept), {args.train.tokens:,} tokens")
         rep = distill(hybrid, model, train_rows, splits.heldout, args.train, run_dir,
                       eval_batch_size=args.eval_batch_size, ctx=ctx, desc=f"{policy}/{init}", on_step=score_niah,
                       teacher_spec=args.teacher, deadline=deadline,
@@ -456,15 +491,10 @@ def run_recovery(args: RecoveryArgs) -> dict:
         if rep.get("stopped_at") is not None:
             complete = False
             say(f"recovery: {policy} / {init} stopped at step {rep['stopped_at']} of {rep['steps']} (time limit); "
-                  "run the same command again to continue")
+                "run the same command again to continue")
             break
         if ctx.main:  # the others wait at the barrier below, so the next run starts from what it wrote
-            curve = sorted({r["step"]: r for r in _read_jsonl(niah_file)}.values(), key=lambda r: r["step"])
-            res = {"tokens": rep["eval_tokens"], "heldout_loss": rep["heldout_loss"], "heldout_kl": rep["heldout_kl"],
-                   "tokens_per_s": rep["tokens_per_s"], "mfu": rep["mfu"], "processes": rep["processes"],
-                   "gdn_layers": converted,
-                   "niah": {"start": curve[0]["scores"], "end": curve[-1]["scores"]} if args.niah else None,
-                   "niah_curve": [{"tokens": r["tokens"], "scores": r["scores"]} for r in curve] if args.niah else None}
+            res = run_result(rep, converted, niah_file, args.niah)
             write_json(done, res)
             results[policy][init] = res
             speeds.append((res["tokens_per_s"], res["mfu"]))
