@@ -200,6 +200,8 @@ def test_a_model_without_its_report_is_incomplete_and_resuming_finishes_it(ow, m
 
     root, teacher, corpus, hybrid, run = ow
     d = _copy(run, root / "stopped_before_report")
+    shutil.rmtree(d / "checkpoints" / "step_00000004")  # resumes from step 3: a run that trains again (a finished
+    # one run again trains nothing and keeps its report until it rewrites it)
 
     def stop(*a, **k):
         raise KeyboardInterrupt
@@ -286,3 +288,22 @@ def test_a_corpus_holding_a_tokens_json_is_read_as_a_corpus(ow):
     out = root / "shards_of_corpus_with_tokens_json"
     succeeds(main("tokenize", "--model", teacher, "--data.source", c, "--out", out))
     assert json.loads((out / "tokens.json").read_text())["documents"]["calib"] > 0 and tree(c) == before
+
+
+def test_a_finished_run_run_again_keeps_its_result_if_it_fails(ow, monkeypatch):
+    """Running a finished distill command again trains nothing: its report.json and model/ stay as they were, so a
+    failure on the way (here: writing the report) leaves the finished result, not a model without its report."""
+    from taylor_calibrate import distill
+
+    root, teacher, corpus, hybrid, run = ow
+    d = _copy(run, root / "finished_again")
+    report = (d / "report.json").read_bytes()
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(distill, "record", stop)
+        rc, log = _distill(ow, d)
+    assert rc == 130, log[-2000:]
+    assert (d / "report.json").read_bytes() == report and (d / "model" / "model.safetensors").exists()
