@@ -36,7 +36,8 @@ _OUTPUTS = {
                 ("report.json", ("heldout_kl", "tokens_per_step")),  # written last: model/ is complete (`finished`)
                 ("model", None), ("checkpoints/step_*", None), ("checkpoints/.step_*", None)],
     "ablate": [("ablation.json", ("rows", "teacher_ppl", "kept")), ("ablation.md", None)],
-    "recovery": [("recovery.json", ("teacher_loss", "policies")), ("mixers/layers.json", ("kept", "scores")),
+    "recovery": [("recovery.json", ("teacher_loss", "policies")), ("options.json", ("policies", "inits", "train")),
+                 ("mixers/layers.json", ("kept", "scores")),
                  ("students/*.json", ("gdn_layers", "kv_fraction")), ("runs/*/metrics.jsonl", _METRICS),
                  ("runs/*/checkpoints/latest.json", _LATEST), ("recovery.md", None), ("recovery_curves.png", None),
                  ("teacher_niah.json", None), ("mixers/*.safetensors", None), ("students/*__*", None),

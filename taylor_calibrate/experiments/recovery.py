@@ -38,7 +38,7 @@ from taylor_calibrate.config import (ConvertArgs, RecoveryArgs, apply_profile, a
                                      convert_args_of)
 from taylor_calibrate.convert import convert, resolve_runtime
 from taylor_calibrate.data import TokenSplits, distill_data, is_token_dir, read_token_meta
-from taylor_calibrate.distill import Dist, all_sum, distill, init_distributed
+from taylor_calibrate.distill import Dist, all_sum, distill, identity_diff, init_distributed
 from taylor_calibrate.evaluate import perplexity
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
@@ -401,6 +401,27 @@ def summary(results: dict, st: Students, speeds: list, policies: list[str], **fi
     }
 
 
+OPTIONS = "options.json"
+FREE_OPTIONS = ("out", "overwrite", "time_limit_s", "command", "device", "backend", "eval_batch_size")  # may change
+
+
+def check_same_experiment(out: Path, args: RecoveryArgs) -> None:
+    """One experiment per --out: its runs, mixers and students are reused by name, so a call with other options
+    (other than FREE_OPTIONS, e.g. the time limit of a series of jobs) would mix settings in one recovery.json.
+    The first call records the resolved options; a later one with others is refused naming what differs."""
+    mine = json.loads(json.dumps({k: v for k, v in dataclasses.asdict(args).items() if k not in FREE_OPTIONS},
+                                 default=str))
+    path = out / OPTIONS
+    if not path.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(path, mine)
+        return
+    diffs = identity_diff(json.loads(path.read_text()), mine)
+    if diffs:
+        raise ValueError(f"{out} holds a recovery experiment run with other options ({'; '.join(diffs)}): its runs "
+                         "would mix them; pass those options again to continue it, or a new --out")
+
+
 @writes_out("recovery")
 def run_recovery(args: RecoveryArgs) -> dict:
     """Distil every policy x init on the same data and budget; curves, tokens-to-match table, NIAH along each run."""
@@ -421,6 +442,8 @@ def run_recovery(args: RecoveryArgs) -> dict:
     apply_train_profile(args.train, profile)
     train_backend = training_backend(backend, args.backend, True)
     out = Path(args.out)
+    if ctx.main:
+        check_same_experiment(out, args)
     teacher = load_teacher(args.teacher, device, dtype)
     model, tokenizer = teacher.model, teacher.tokenizer
     d = args.data
