@@ -425,7 +425,8 @@ class EvalArgs(NiahArgs):
     teacher: str | None = None
     """Also evaluate this teacher in the same run (same text, same tokenizer)."""
     out: str | None = None
-    """Where to write report.json (default: <model>/eval for a hybrid of ours; needed for any other model)."""
+    """Where to write report.json (default: <model>/eval for a hybrid of ours, <run>/eval for a distill run's
+    <run>/model; needed for any other model)."""
     profile: str = "auto"
     """Sizes for unset data options: "full", "quick", or "auto" (full on CUDA, else quick)."""
     data: DataArgs = field(default_factory=DataArgs)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from taylor_calibrate.checks import check_context, check_same_vocab, writes_out
+from taylor_calibrate.checks import check_context, check_same_vocab, is_output_of, writes_out
 from taylor_calibrate.config import EvalArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.checkpoint import REPORT, load_model
@@ -177,10 +177,13 @@ def print_niah(scores: dict[str, dict]) -> None:
 def eval_out(args: EvalArgs) -> Path:
     """Where eval writes: --out, else <model>/eval, but only inside a hybrid of ours (a `convert` or `distill`
     output): any other model directory (a teacher, an export) is the user's, which eval does not write into unasked.
+    A distill run's model/ is replaced whole when the run is resumed, so its report goes beside it (<run>/eval).
     A config.json that cannot be read here is left to the loader, which names it before anything is written."""
     if args.out:
         return Path(args.out)
     model = Path(args.model)
+    if model.name == "model" and is_output_of(model.parent, "distill"):
+        return model.parent / "eval"
     try:
         config = json.loads((model / "config.json").read_text()) if (model / "config.json").is_file() else None
     except (OSError, ValueError):

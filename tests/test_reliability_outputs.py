@@ -307,3 +307,17 @@ def test_a_finished_run_run_again_keeps_its_result_if_it_fails(ow, monkeypatch):
         rc, log = _distill(ow, d)
     assert rc == 130, log[-2000:]
     assert (d / "report.json").read_bytes() == report and (d / "model" / "model.safetensors").exists()
+
+
+def test_eval_of_a_distill_runs_model_reports_beside_it(ow):
+    """eval's default --out for a distill run's model/ was <run>/model/eval, which the run replaces whole when it is
+    run again; it is <run>/eval, which survives that."""
+    root, teacher, corpus, hybrid, run = ow
+    d = _copy(run, root / "evaluated_run")
+    succeeds(main("eval", "--model", d / "model", "--data.source", corpus, "--device", "cpu", "--data.seq_len", "32",
+                  "--data.eval_seqs", "2"))
+    assert (d / "eval" / "report.json").is_file() and not (d / "model" / "eval").exists()
+    report = (d / "eval" / "report.json").read_bytes()
+    shutil.rmtree(d / "checkpoints" / "step_00000004")  # the run trains its last step again: model/ is replaced
+    succeeds(_distill(ow, d))
+    assert (d / "eval" / "report.json").read_bytes() == report
