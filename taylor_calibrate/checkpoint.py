@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from taylor_calibrate.checks import finished, is_output_of
 from taylor_calibrate.model.loading import REPORT, check_loaded, check_report
-from taylor_calibrate.results import umask, write_json
+from taylor_calibrate.results import finished, is_output_of, umask, write_json
 
 log = logging.getLogger("taylor_calibrate")
 

@@ -34,8 +34,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from taylor_calibrate.checks import is_output_of, writes_out
+from taylor_calibrate.checks import writes_out
 from taylor_calibrate.config import TOKEN_CACHE_ENV, CorpusSpec, token_cache_dir
+from taylor_calibrate.results import is_output_of, umask
 
 log = logging.getLogger(__name__)
 
@@ -594,8 +595,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
     its file's mode: only a file already of the mode this run's umask gives is linked, so that making `dst` readable
     as this run's umask says never changes the cache's file, nor an earlier output linked to it (made under another
     umask)."""
-    from taylor_calibrate.results import umask
-
     if stat.S_IMODE(src.stat().st_mode) == 0o666 & ~umask():
         try:
             os.link(src, dst)

@@ -44,13 +44,13 @@ from tqdm.auto import tqdm
 
 from taylor_calibrate.config import DistillArgs, TrainArgs, apply_profile, apply_train_profile
 from taylor_calibrate.checks import (check_context, check_out, check_same_layers, check_same_vocab,
-                                    check_teacher_origin, check_token_cache, is_output_of, writes_out)
+                                    check_teacher_origin, check_token_cache, writes_out)
 from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repeat_spans, step_windows
 from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
 from taylor_calibrate.model.hybrid_config import MIXER_TYPE
 from taylor_calibrate.model.loading import read_text
-from taylor_calibrate.results import record, write_json
+from taylor_calibrate.results import is_output_of, record, write_json
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.stats import FarMass, observing
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype, teacher_hash

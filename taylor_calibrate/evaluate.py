@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from taylor_calibrate.checks import check_context, check_same_vocab, is_output_of, writes_out
+from taylor_calibrate.checks import check_context, check_same_vocab, writes_out
 from taylor_calibrate.config import EvalArgs, apply_profile
 from taylor_calibrate.data import load_splits
 from taylor_calibrate.checkpoint import REPORT, load_model
-from taylor_calibrate.results import record, write_text
+from taylor_calibrate.results import is_output_of, record, write_text
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.retrieval import REPLY_KINDS, niah_scores, reply_rates
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype

@@ -215,3 +215,75 @@ def run_report(args: ReportArgs) -> str:
         raise FileExistsError(f"{out} exists; pass another --out or remove it first")
     write_text(out, text)
     return text
+
+
+# --- outputs: what each command writes, and how an earlier output of it is recognised ------------------------------
+# What each command writes under --out (globs), with the keys that show a file there is its own: the JSON object (for
+# .jsonl: its first line) it writes holds them. The entries with keys are its marks: a directory holding one is an
+# earlier output of the command, written into (resumed, rewritten) freely; a file of that name with other content is
+# the user's. The entries without keys (tables, plots, weights, run directories) cannot tell: in a directory that is
+# not an earlier output, every existing path the command writes is the user's and is never replaced, --overwrite or
+# not (`checks._check_foreign_out`). A non-empty --out that is no earlier output needs --overwrite.
+_METRICS = ("step", "heldout_loss")  # the first line of a distill run's metrics.jsonl (its step-0 evaluation)
+_LATEST = ("step", "dir")  # checkpoints/latest.json
+_ANSWERS = ("task", "length", "answer", "right")  # a NIAH answer record (retrieval.niah_scores)
+OUTPUTS = {
+    "convert": [("report.json", ("hybrid_ppl", "layer_types"))],
+    "eval": [("report.json", ("model", "model_ppl")), ("niah_answers.jsonl", ("model", *_ANSWERS))],
+    "distill": [("metrics.jsonl", _METRICS), ("checkpoints/latest.json", _LATEST),
+                ("report.json", ("heldout_kl", "tokens_per_step")),  # written last: model/ is complete (`finished`)
+                ("model", None), ("checkpoints/step_*", None), ("checkpoints/.step_*", None)],
+    "ablate": [("ablation.json", ("rows", "teacher_ppl", "kept")), ("ablation.md", None)],
+    "recovery": [("recovery.json", ("teacher_loss", "policies")), ("options.json", ("policies", "inits", "train")),
+                 ("mixers/layers.json", ("kept", "scores")),
+                 ("students/*.json", ("gdn_layers", "kv_fraction")), ("runs/*/metrics.jsonl", _METRICS),
+                 ("runs/*/checkpoints/latest.json", _LATEST), ("recovery.md", None), ("recovery_curves.png", None),
+                 ("teacher_niah.json", None), ("mixers/*.safetensors", None), ("students/*__*", None),
+                 ("runs/*__*", None)],  # students and runs are named <policy>__<init>
+    "tradeoff": [("tradeoff.json", ("rows", "teacher_name", "niah_tasks")), ("answers/*.jsonl", _ANSWERS),
+                 ("tradeoff.md", None), ("tradeoff.png", None), ("e2e_*", None)],  # e2e_*: distill runs
+    "damage": [("damage.json", ("rows", "layer_types", "teacher_probes")), ("damage.md", None)],
+    "tokenize": [("tokens.json", ("tokens", "tokenizer", "dtype"))],
+    "export": [],  # never written into a non-empty directory
+}
+_MARK_BYTES = 1 << 22  # the most read of a file to tell whether it is ours: our marks are far smaller (KBs)
+
+
+def found(path: Path, pattern: str) -> list[Path]:
+    """What glob `pattern` names under `path`, dangling links included (pathlib skips them for a plain name)."""
+    if any(c in pattern for c in "*?["):
+        return sorted(path.glob(pattern))
+    return [path / pattern] if os.path.lexists(path / pattern) else []
+
+
+def written_by(f: Path, keys: tuple[str, ...]) -> bool:
+    """Whether file `f` holds what a command writes there: a JSON object (for .jsonl, its first line) with `keys`.
+    At most _MARK_BYTES are read: a larger file (or first line) is not ours."""
+    if not f.is_file():  # a pipe would block the reader, a directory is no file of ours
+        return False
+    try:
+        with open(f, "rb") as fh:
+            head = fh.readline(_MARK_BYTES + 1) if f.suffix == ".jsonl" else fh.read(_MARK_BYTES + 1)
+        if len(head) > _MARK_BYTES:
+            return False
+        data = json.loads(head)
+    except (ValueError, OSError):
+        return False
+    return isinstance(data, dict) and all(k in data for k in keys)
+
+
+def marks(command: str) -> list[tuple[str, tuple[str, ...]]]:
+    return [(name, keys) for name, keys in OUTPUTS[command] if keys]
+
+
+def is_output_of(path: Path, command: str) -> bool:
+    """Whether directory `path` holds an earlier output of `command`, by the content of the files it writes."""
+    return any(written_by(f, keys) for name, keys in marks(command) for f in found(Path(path), name))
+
+
+def finished(out: Path) -> bool:
+    """Whether distill output `out` holds the report.json a run writes last, which marks its model/ complete: a run
+    stopped before it, or resumed since (which removes it first), has none."""
+    return written_by(Path(out) / "report.json", dict(marks("distill"))["report.json"])
+
+

@@ -119,7 +119,7 @@ def _argv(ow, command, out):
 def test_overwrite_never_replaces_a_users_file_of_a_name_the_command_writes(ow, command, name):
     """--overwrite true writes a command's files among a user's: their report.json, damage.md, tradeoff.png,
     model/ folder, a run directory recovery trains in (its checkpoints deleted), ... was replaced. Refused before any
-    work, naming the file and the fix, untouched; one check (checks._OUTPUTS) for every command."""
+    work, naming the file and the fix, untouched; one check (results.OUTPUTS) for every command."""
     d = ow[0] / f"users_{command}_{name.replace('/', '_')}"
     shutil.rmtree(d, ignore_errors=True)
     (d / name).parent.mkdir(parents=True)
@@ -152,13 +152,13 @@ def test_overwrite_writes_among_a_users_other_files(ow):
 def test_a_huge_json_file_is_not_read_whole_nor_taken_for_ours(ow):
     """Whether a file is a command's own was decided by reading it whole: a user's multi-megabyte report.json holding
     eval's keys was read into memory, taken for an earlier eval output and replaced without --overwrite. Past the cap
-    (checks._MARK_BYTES) a file is not ours: refused without --overwrite, and with it, untouched."""
-    from taylor_calibrate import checks
+    (results._MARK_BYTES) a file is not ours: refused without --overwrite, and with it, untouched."""
+    from taylor_calibrate import results
 
     d = ow[0] / "huge_report"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir()
-    assert checks._MARK_BYTES < 5 << 20
+    assert results._MARK_BYTES < 5 << 20
     (d / "report.json").write_text(json.dumps({"model": "mine", "model_ppl": 1.0, "pad": "x" * (5 << 20)}))
     before = tree(d)
     fails(main(*_argv(ow, "eval", d)), "not an earlier `eval` output", "pass a new or empty directory")

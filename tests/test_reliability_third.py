@@ -67,11 +67,11 @@ def test_damage_into_a_non_empty_out_is_refused_not_a_key_error(rw):
 
 
 def test_every_command_that_writes_has_output_marks():
-    from taylor_calibrate import checks
+    from taylor_calibrate import results
     from taylor_calibrate.cli import COMMANDS
 
     writers = {name for name, (_, fn) in COMMANDS.items() if fn.__code__.co_name == "run"}  # wrapped by writes_out
-    assert writers and writers <= set(checks._OUTPUTS), writers - set(checks._OUTPUTS)
+    assert writers and writers <= set(results.OUTPUTS), writers - set(results.OUTPUTS)
 
 
 # --- `report` of a damaged results file -------------------------------------------------------------------------
