@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import tiny_local_teacher, tiny_tokenizer
 from test_reliability import ENV, _cmd, cli, fails, succeeds, tree
-from test_reliability_inputs import SMALL, main
+from test_reliability_inputs import SMALL, copy_tree, main
 
 EVAL = ["--data.seq_len", "64", "--data.eval_seqs", "2", "--device", "cpu", "--backend", "torch"]
 
@@ -96,16 +96,12 @@ def test_ctrl_c_while_the_cli_is_still_importing_is_one_line():
 
 
 # --- damaged files of ours -------------------------------------------------------------------------------------
-def _copy(src, dst):
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, dst)
-    return dst
 
 
 @pytest.mark.parametrize("content", ["[]", '{"layer_types": 3}', '{"args": [1]}'])
 def test_a_report_of_the_wrong_shape_is_named(fw, content):
     root, teacher, corpus, hybrid = fw
-    m = _copy(hybrid, root / "bad_report")
+    m = copy_tree(hybrid, root / "bad_report")
     (m / "report.json").write_text(content)
     fails(main("eval", "--model", m, "--data.source", corpus, *EVAL), r"bad_report/report\.json is not a conversion "
           "report", "convert again")
@@ -113,7 +109,7 @@ def test_a_report_of_the_wrong_shape_is_named(fw, content):
 
 def test_a_config_that_lost_its_gdn_options_is_refused(fw):
     root, teacher, corpus, hybrid = fw
-    m = _copy(hybrid, root / "no_gdn")
+    m = copy_tree(hybrid, root / "no_gdn")
     cfg = json.loads((m / "config.json").read_text())
     del cfg["gdn"]
     (m / "config.json").write_text(json.dumps(cfg))
@@ -146,7 +142,7 @@ def test_a_hybrid_config_of_the_wrong_shape_is_named(fw, damage):
     """Each would otherwise load another model than the one saved, or fail deep in transformers with a traceback."""
     root, teacher, corpus, hybrid = fw
     edit, pattern = CONFIG_DAMAGE[damage]
-    m = _copy(hybrid, root / f"cfg_{damage}")
+    m = copy_tree(hybrid, root / f"cfg_{damage}")
     if callable(edit):
         cfg = json.loads((m / "config.json").read_text())
         edit(cfg)
@@ -162,7 +158,7 @@ def test_damaged_token_shards_are_named(fw, damage):
     shards = root / "shards"
     if not shards.exists():
         succeeds(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", shards))
-    d = _copy(shards, root / f"shards_{damage}")
+    d = copy_tree(shards, root / f"shards_{damage}")
     if damage in ("shape", "corpus_list"):
         meta = json.loads((d / "tokens.json").read_text())
         (d / "tokens.json").write_text(json.dumps({**meta, "corpus": [1]} if damage == "corpus_list" else
@@ -207,7 +203,7 @@ def test_metrics_and_state_of_the_wrong_shape_are_named(tmp_path):
 # --- inputs against what they claim ----------------------------------------------------------------------------
 def test_eval_refuses_a_teacher_with_another_vocabulary(fw):
     root, teacher, corpus, hybrid = fw
-    other = _copy(teacher, root / "other_vocab")
+    other = copy_tree(teacher, root / "other_vocab")
     for f in other.glob("tokenizer*"):
         f.unlink()
     tiny_tokenizer([p.read_text().upper() for p in sorted(corpus.iterdir())]).save_pretrained(other)
@@ -236,8 +232,8 @@ def test_distill_checks_its_teacher_against_the_one_converted_from(fw, caplog):
     root, teacher, corpus, hybrid = fw
     recorded = json.loads((hybrid / "report.json").read_text())["teacher_hash"]
     assert recorded == teacher_hash(str(teacher)) and recorded.startswith("sha256:")
-    moved = _copy(teacher, root / "teacher_moved")
-    student = _copy(hybrid, root / "student_of_moved")
+    moved = copy_tree(teacher, root / "teacher_moved")
+    student = copy_tree(hybrid, root / "student_of_moved")
     cfg = json.loads((student / "config.json").read_text())
     (student / "config.json").write_text(json.dumps({**cfg, "teacher_name": str(moved)}))
     # --data.seq_len past the context: each run stops right after the teacher check, before any work
@@ -303,7 +299,7 @@ def test_hidden_weight_needs_a_teacher_of_the_students_depth_and_width(fw):
 
 def test_tokenize_again_after_the_corpus_changed_rebuilds(fw):
     root, teacher, corpus, hybrid = fw
-    c = _copy(corpus, root / "corpus_changing")
+    c = copy_tree(corpus, root / "corpus_changing")
     out = root / "tok_changing"
     succeeds(main("tokenize", "--model", hybrid, "--data.source", c, "--out", out))
     first = json.loads((out / "tokens.json").read_text())

@@ -48,15 +48,28 @@ def tw(tmp_path_factory):
     return (root, *converted_world(root))
 
 
-@pytest.fixture(autouse=True)
-def inputs_untouched(request):
-    if "tw" not in request.fixturenames:
+def untouched(request, world: str):
+    """An autouse fixture's body: when the test uses fixture `world` (root, then the directories the commands read),
+    every one of those directories is byte for byte the same after the test."""
+    if world not in request.fixturenames:
         yield
         return
-    root, teacher, corpus, hybrid = request.getfixturevalue("tw")
-    before = [tree(teacher), tree(corpus), tree(hybrid)]
+    inputs = request.getfixturevalue(world)[1:]
+    before = [tree(p) for p in inputs]
     yield
-    assert [tree(teacher), tree(corpus), tree(hybrid)] == before
+    assert [tree(p) for p in inputs] == before
+
+
+def copy_tree(src, dst):
+    """A fresh copy of directory src at dst (a test's own copy of a shared output to damage or re-run)."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.fixture(autouse=True)
+def inputs_untouched(request):
+    yield from untouched(request, "tw")
 
 
 # --- never write over or inside an input -----------------------------------------------------------------------

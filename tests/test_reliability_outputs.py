@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from test_reliability import fails, succeeds, tree
-from test_reliability_inputs import converted_world, main
+from test_reliability_inputs import converted_world, copy_tree, main, untouched
 
 TRAIN = ["--device", "cpu", "--backend", "torch", "--data.seq_len", "32", "--data.eval_seqs", "2",
          "--eval_batch_size", "2", "--train.batch_size", "2", "--train.tokens", "256", "--train.log_every", "1",
@@ -28,19 +28,8 @@ def ow(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def inputs_untouched(request):
-    if "ow" not in request.fixturenames:
-        yield
-        return
-    root, teacher, corpus, hybrid, run = request.getfixturevalue("ow")
-    before = [tree(p) for p in (teacher, corpus, hybrid, run)]
-    yield
-    assert [tree(p) for p in (teacher, corpus, hybrid, run)] == before
+    yield from untouched(request, "ow")
 
-
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, dst)
-    return dst
 
 
 def _distill(ow, out, *more):
@@ -54,7 +43,7 @@ def test_a_new_run_over_a_finished_one_needs_overwrite(ow, case):
     """--resume false (or nothing left to resume from) over another run's model/ and report.json: the old files stayed
     until the new run ended, so a crash left a report describing a model being replaced. Refused before any work."""
     root = ow[0]
-    d = _copy(ow[4], root / f"finished_{case}")
+    d = copy_tree(ow[4], root / f"finished_{case}")
     if case == "no_checkpoints":
         shutil.rmtree(d / "checkpoints")
     before = tree(d)
@@ -69,7 +58,7 @@ def test_overwrite_deletes_the_earlier_run_as_it_starts_so_a_crash_leaves_no_mix
     new run that fails midway (a diverging loss) leaves none of them beside its own files; one that finishes leaves
     only its own; a user's file in the directory stays."""
     root = ow[0]
-    d = _copy(ow[4], root / "replaced")
+    d = copy_tree(ow[4], root / "replaced")
     (d / "notes.txt").write_text("mine\n")
     fails(_distill(ow, d, "--resume", "false", "--overwrite", "true", "--train.lr", "1e30", "--train.grad_clip", "0"),
           r"held-out loss is (nan|inf) at step \d+")
@@ -91,7 +80,7 @@ def test_overwrite_deletes_the_earlier_run_as_it_starts_so_a_crash_leaves_no_mix
 
 def test_the_same_command_again_resumes_without_overwrite(ow):
     """The finished run's own command, run again, resumes (nothing to replace), as before."""
-    d = _copy(ow[4], ow[0] / "again")
+    d = copy_tree(ow[4], ow[0] / "again")
     succeeds(_distill(ow, d))
     assert json.loads((d / "report.json").read_text())["resumed_from"] == 4
 
@@ -199,7 +188,7 @@ def test_a_model_without_its_report_is_incomplete_and_resuming_finishes_it(ow, m
     from taylor_calibrate import distill
 
     root, teacher, corpus, hybrid, run = ow
-    d = _copy(run, root / "stopped_before_report")
+    d = copy_tree(run, root / "stopped_before_report")
     shutil.rmtree(d / "checkpoints" / "step_00000004")  # resumes from step 3: a run that trains again (a finished
     # one run again trains nothing and keeps its report until it rewrites it)
 
@@ -230,7 +219,7 @@ def test_a_resumed_run_removes_the_earlier_stops_report_and_model_first(ow, monk
     from taylor_calibrate import distill
 
     root, teacher, corpus, hybrid, run = ow
-    d = _copy(run, root / "resumed_then_killed")
+    d = copy_tree(run, root / "resumed_then_killed")
     shutil.rmtree(d / "checkpoints" / "step_00000004")  # resumes from step 3 (the run keeps two) and trains step 4
     (d / "notes.txt").write_text("mine\n")
 
@@ -282,7 +271,7 @@ def test_a_corpus_holding_a_tokens_json_is_read_as_a_corpus(ow):
     """A corpus directory of the user's with a tokens.json of its own was taken for token shards: convert refused it
     as shards, distill called it damaged and said to delete it. Read as the corpus it is, untouched."""
     root, teacher, corpus, hybrid, run = ow
-    c = _copy(corpus, root / "corpus_with_tokens_json")
+    c = copy_tree(corpus, root / "corpus_with_tokens_json")
     (c / "tokens.json").write_text('{"tokens": ["river", "stone"], "note": "my word list"}')
     before = tree(c)
     out = root / "shards_of_corpus_with_tokens_json"
@@ -296,7 +285,7 @@ def test_a_finished_run_run_again_keeps_its_result_if_it_fails(ow, monkeypatch):
     from taylor_calibrate import distill
 
     root, teacher, corpus, hybrid, run = ow
-    d = _copy(run, root / "finished_again")
+    d = copy_tree(run, root / "finished_again")
     report = (d / "report.json").read_bytes()
 
     def stop(*a, **k):
@@ -313,7 +302,7 @@ def test_eval_of_a_distill_runs_model_reports_beside_it(ow):
     """eval's default --out for a distill run's model/ was <run>/model/eval, which the run replaces whole when it is
     run again; it is <run>/eval, which survives that."""
     root, teacher, corpus, hybrid, run = ow
-    d = _copy(run, root / "evaluated_run")
+    d = copy_tree(run, root / "evaluated_run")
     succeeds(main("eval", "--model", d / "model", "--data.source", corpus, "--device", "cpu", "--data.seq_len", "32",
                   "--data.eval_seqs", "2"))
     assert (d / "eval" / "report.json").is_file() and not (d / "model" / "eval").exists()

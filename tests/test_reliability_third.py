@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import VOCAB
 from test_reliability import ENV, _cmd, bound_by_permissions, cli, fails, succeeds, tree
-from test_reliability_inputs import SMALL, converted_world, main
+from test_reliability_inputs import SMALL, converted_world, copy_tree, main, untouched
 
 EVAL = ["--data.seq_len", "64", "--data.eval_seqs", "2", "--device", "cpu", "--backend", "torch"]
 TRAIN = ["--device", "cpu", "--backend", "torch", "--data.seq_len", "32", "--data.eval_seqs", "2",
@@ -38,19 +38,8 @@ def rw(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def inputs_untouched(request):
-    if "rw" not in request.fixturenames:
-        yield
-        return
-    root, teacher, corpus, hybrid, exportable = request.getfixturevalue("rw")
-    before = [tree(p) for p in (teacher, corpus, hybrid, exportable)]
-    yield
-    assert [tree(p) for p in (teacher, corpus, hybrid, exportable)] == before
+    yield from untouched(request, "rw")
 
-
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, dst)
-    return dst
 
 
 # --- damage's --out ---------------------------------------------------------------------------------------------
@@ -116,7 +105,7 @@ def test_export_of_a_damaged_config_is_one_line(rw, damage):
     """Valid JSON of the wrong shape was an AttributeError, options of the wrong type a TypeError in the model's
     constructor, invalid JSON a bare decoder message without the file."""
     root, teacher, corpus, hybrid, exportable = rw
-    m = _copy(exportable, root / f"export_{damage}")
+    m = copy_tree(exportable, root / f"export_{damage}")
     (m / "config.json").write_text(_config_edit(damage)(json.loads((m / "config.json").read_text())))
     out = root / f"exported_{damage}"
     fails(main("export", "--model", m, "--out", out), EXPORT_DAMAGE[damage], "convert")
@@ -126,7 +115,7 @@ def test_export_of_a_damaged_config_is_one_line(rw, damage):
 @pytest.mark.parametrize("command", ["export", "eval"])
 def test_a_hybrid_config_with_mixer_options_of_the_wrong_type_is_named(rw, command):
     root, teacher, corpus, hybrid, _ = rw
-    m = _copy(hybrid, root / f"opts_{command}")
+    m = copy_tree(hybrid, root / f"opts_{command}")
     cfg = json.loads((m / "config.json").read_text())
     cfg["gdn"]["norm_eps"] = "1e-5"
     (m / "config.json").write_text(json.dumps(cfg))
@@ -137,7 +126,7 @@ def test_a_hybrid_config_with_mixer_options_of_the_wrong_type_is_named(rw, comma
 
 def test_an_export_whose_config_is_a_pipe_is_refused_not_waited_on(rw):
     root, teacher, corpus, hybrid, exportable = rw
-    m = _copy(exportable, root / "export_pipe")
+    m = copy_tree(exportable, root / "export_pipe")
     (m / "config.json").unlink()
     os.mkfifo(m / "config.json")
     r = subprocess.run(_cmd(["export", "--model", m, "--out", root / "exported_pipe"]), env=ENV, capture_output=True,
@@ -191,7 +180,7 @@ def test_a_state_json_of_the_wrong_shape_falls_back_to_the_previous_checkpoint(r
     TypeError), param groups that are not an optimizer's (a KeyError inside torch's set_state_dict): the newest
     checkpoint is damaged, the run resumes from the one before to the unbroken run's metrics."""
     root, teacher, corpus, hybrid, _ = rw
-    o = _copy(run, root / f"state_{damage}")
+    o = copy_tree(run, root / f"state_{damage}")
     f = _newest_state(o)
     state = json.loads(f.read_text())
     STATE_DAMAGE[damage](state)
@@ -204,7 +193,7 @@ def test_a_state_json_of_the_wrong_shape_falls_back_to_the_previous_checkpoint(r
 
 def test_every_checkpoint_of_the_wrong_shape_is_one_line(rw, run):
     root, teacher, corpus, hybrid, _ = rw
-    o = _copy(run, root / "state_all")
+    o = copy_tree(run, root / "state_all")
     for f in (o / "checkpoints").glob("step_*/state.json"):
         state = json.loads(f.read_text())
         state["step"] = str(state["step"])
@@ -224,7 +213,7 @@ def test_tokenize_again_over_a_tokens_json_with_damaged_document_counts(rw, docu
     shards = root / "shards_ok"
     if not shards.exists():
         succeeds(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", shards))
-    s = _copy(shards, root / "shards_docs")
+    s = copy_tree(shards, root / "shards_docs")
     meta = json.loads((s / "tokens.json").read_text())
     if documents is None:
         del meta["documents"]
@@ -241,7 +230,7 @@ def test_tokenize_again_over_a_tokens_json_with_damaged_document_counts(rw, docu
 def test_tokenize_with_a_model_whose_tokenizer_json_is_damaged(rw):
     """`tokenize --model` loaded the tokenizer without the loader's wrapper: a KeyError from transformers."""
     root, teacher, corpus, hybrid, _ = rw
-    m = _copy(hybrid, root / "tok_damaged")
+    m = copy_tree(hybrid, root / "tok_damaged")
     (m / "tokenizer.json").write_text('{"model": 5}')
     fails(main("tokenize", "--model", m, "--data.source", corpus, "--out", root / "tok_damaged_out"),
           r"could not load the tokenizer in .*tok_damaged", "its tokenizer files are damaged", "copy them again")
@@ -254,7 +243,7 @@ def test_a_pipe_among_a_teachers_tokenizer_files_is_named(rw, name):
     """A pipe where the teacher's tokenizer files belong: refused naming it (the tokenizer's reader blocked on some,
     and on tokenizer.json said "download them again")."""
     root, teacher, corpus, hybrid, _ = rw
-    t = _copy(teacher, root / f"pipe_teacher_{name.split('.')[0]}")
+    t = copy_tree(teacher, root / f"pipe_teacher_{name.split('.')[0]}")
     (t / name).unlink(missing_ok=True)
     os.mkfifo(t / name)
     for argv in (["convert", "--teacher", t, "--data.source", corpus, *SMALL, "--out", root / "pipe_out"],
@@ -270,8 +259,8 @@ def test_an_unreadable_tokenizer_file_says_permissions_not_damage(rw):
     tokenizer.json cannot be read is named with the fix (permissions), not "download them again"."""
     root, teacher, corpus, hybrid, _ = rw
     prefix = bound_by_permissions()
-    t = _copy(teacher, root / "unreadable_teacher")
-    m = _copy(hybrid, root / "unreadable_model")
+    t = copy_tree(teacher, root / "unreadable_teacher")
+    m = copy_tree(hybrid, root / "unreadable_model")
     for d in (t, m):
         (d / "tokenizer.json").chmod(0o000)
     try:
@@ -292,7 +281,7 @@ def test_a_tokenizer_or_model_needing_custom_code_says_it_is_never_run(rw, comma
     """The same sentence as convert and distill give, not transformers' "contains custom code which must be
     executed"; the directory's code does not run."""
     root, teacher, corpus, hybrid, _ = rw
-    d = _copy(teacher if command == "tokenize" else hybrid, root / f"custom_{command}")
+    d = copy_tree(teacher if command == "tokenize" else hybrid, root / f"custom_{command}")
     marker = root / f"ran_{command}"
     if command == "tokenize":
         tok = json.loads((d / "tokenizer_config.json").read_text())
@@ -402,7 +391,7 @@ def test_an_out_whose_report_is_a_pipe_is_not_waited_on(rw):
     blocked them for ever. It is not an output of theirs (nothing to read): refused as any foreign directory, naming
     the pipe."""
     root, teacher, corpus, hybrid, _ = rw
-    o = _copy(hybrid, root / "out_pipe_report")
+    o = copy_tree(hybrid, root / "out_pipe_report")
     _pipe(o / "report.json")
     fails(_run(["convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", o]),
           "not an earlier `convert` output", r"its report\.json is not a regular file", "--overwrite true")
@@ -415,7 +404,7 @@ def test_an_out_whose_report_is_a_pipe_is_not_waited_on(rw):
 
 def test_a_model_whose_report_is_a_pipe_is_named(rw):
     root, teacher, corpus, hybrid, _ = rw
-    m = _copy(hybrid, root / "model_pipe_report")
+    m = copy_tree(hybrid, root / "model_pipe_report")
     _pipe(m / "report.json")
     fails(_run(["eval", "--model", m, "--data.source", corpus, *EVAL, "--out", root / "model_pipe_eval"]),
           r"model_pipe_report/report\.json is not a regular file", "convert")
@@ -424,7 +413,7 @@ def test_a_model_whose_report_is_a_pipe_is_named(rw):
 @pytest.mark.parametrize("kind", ["pipe", "directory"])
 def test_a_run_whose_metrics_are_a_pipe_or_a_directory_is_named(rw, run, kind):
     root, teacher, corpus, hybrid, _ = rw
-    o = _copy(run, root / f"metrics_{kind}")
+    o = copy_tree(run, root / f"metrics_{kind}")
     if kind == "pipe":
         _pipe(o / "metrics.jsonl")
     else:
@@ -436,7 +425,7 @@ def test_a_run_whose_metrics_are_a_pipe_or_a_directory_is_named(rw, run, kind):
 
 def test_a_checkpoint_whose_state_is_a_pipe_falls_back(rw, run):
     root, teacher, corpus, hybrid, _ = rw
-    o = _copy(run, root / "state_pipe")
+    o = copy_tree(run, root / "state_pipe")
     _pipe(_newest_state(o))
     log = succeeds(_run(["distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--out", o]))
     assert "state.json is not a regular file" in log and "resuming from the previous checkpoint step_00000003" in log
@@ -447,7 +436,7 @@ def test_token_shards_whose_description_is_a_pipe_are_named(rw):
     shards = root / "shards_ok"
     if not shards.exists():
         succeeds(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", shards))
-    s = _copy(shards, root / "shards_pipe")
+    s = copy_tree(shards, root / "shards_pipe")
     _pipe(s / "tokens.json")
     fails(_run(["distill", "--student", hybrid, "--data.source", s, *TRAIN, "--out", root / "shards_pipe_run"]),
           r"shards_pipe/tokens\.json is not a regular file", "tokenise the corpus again")
