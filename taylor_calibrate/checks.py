@@ -143,9 +143,10 @@ def lock_file(path: Path) -> Path:
 
 
 def _holder(f) -> dict:
+    """The lock file's record of who holds it ({} when unreadable; a lock file is a few bytes, so only 64 KiB is read)."""
     try:
         f.seek(0)
-        data = json.loads(f.read() or "{}")
+        data = json.loads(f.read(1 << 16) or "{}")
         return data if isinstance(data, dict) else {}
     except (ValueError, OSError):
         return {}
