@@ -2,8 +2,8 @@
 
 A model directory appears complete or not at all: it is written into a temporary sibling and renamed into place, so
 an earlier output is replaced only by that rename; a distill run's model/ counts as complete once the run's
-report.json, written last, stands beside it (`check_finished`). Readers refuse a directory whose weights are corrupt, do not cover
-every parameter of its config, are not finite, or whose report.json disagrees with its config.
+report.json, written last, stands beside it (`check_finished`). Readers refuse a directory whose weights are corrupt,
+do not cover every parameter of its config, are not finite, or whose report.json disagrees with its config.
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def save_hybrid(model, tokenizer, out_dir: str | Path, report: dict | None = Non
 
 def check_finished(path: Path) -> None:
     """The model/ of a distill output is complete once the run has written its report.json beside it (last:
-    `checks.finished`): without one (the run stopped between the two writes, or is being resumed) it is refused."""
+    `results.finished`): without one (the run stopped between the two writes, or is being resumed) it is refused."""
     out = Path(path).resolve().parent
     if Path(path).resolve().name == "model" and is_output_of(out, "distill") and not finished(out):
         raise ValueError(f"{path} is the model of the distill run in {out}, which has not finished: its report.json, "

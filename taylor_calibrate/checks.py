@@ -143,7 +143,8 @@ def lock_file(path: Path) -> Path:
 
 
 def _holder(f) -> dict:
-    """The lock file's record of who holds it ({} when unreadable; a lock file is a few bytes, so only 64 KiB is read)."""
+    """The lock file's record of who holds it ({} when unreadable; a lock file is a few bytes: 64 KiB at most is
+    read)."""
     try:
         f.seek(0)
         data = json.loads(f.read(1 << 16) or "{}")

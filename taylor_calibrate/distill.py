@@ -545,7 +545,7 @@ def check_fresh_out(out: Path, resume: bool, overwrite: bool) -> None:
 
 def clear_result(out: Path) -> None:
     """Delete a run's finished output from `out`: report.json first (written last, it marks model/ complete:
-    `checks.finished`), then model/. A resumed run does this as it resumes, so no report of an earlier stop stands
+    `results.finished`), then model/. A resumed run does this as it resumes, so no report of an earlier stop stands
     beside its new checkpoints; its end writes both again."""
     (out / REPORT).unlink(missing_ok=True)
     shutil.rmtree(out / "model", ignore_errors=True)

@@ -12,8 +12,9 @@ between evaluations) at which the candidate reaches that loss.
 All runs read the same token shards (the token cache's, or --data.source when it is a shard directory) in the same
 order. NIAH retrieval is scored `niah_points` times along each run. Everything is resumable: built mixers and
 students are cached (safetensors), each run has its own directory with distill's atomic checkpoints and its NIAH
-records, and finished runs are kept, so a killed experiment continues where it stopped; `--time_limit_s` stops it cleanly, so a long
-experiment runs as a series of time-limited jobs of one command. Under `torchrun --nproc_per_node K` every run trains
+records, and finished runs are kept, so a killed experiment continues where it stopped; `--time_limit_s` stops it
+cleanly, so a long experiment runs as a series of time-limited jobs of one command (with the options the first call
+recorded in options.json: `check_same_experiment`). Under `torchrun --nproc_per_node K` every run trains
 data-parallel (DDP) over the K processes: the first process converts, tokenises and scores NIAH, the others read its
 caches.
 """
