@@ -185,6 +185,13 @@ def make_sample(task: str, tokenizer, length: int, depth: float, rng: random.Ran
                   distance=distance, distractors=distractors)
 
 
+def check_lengths(tokenizer, tasks, lengths, max_new_tokens: int = NEW_TOKENS) -> None:
+    """Fail before any model loads when the shortest NIAH length cannot hold a task's question and needles (how many
+    tokens they take depends on the tokenizer, so the check needs it)."""
+    for task in tasks:
+        make_samples(task, tokenizer, min(lengths), 1, 0, max_new_tokens)
+
+
 def depths(samples: int) -> list[float]:
     """Needle depths spread evenly over the haystack, both ends included (RULER); the middle for one sample."""
     return [0.5] if samples == 1 else [i / (samples - 1) for i in range(samples)]

@@ -76,3 +76,17 @@ def test_row_label_names_what_changes_the_result():
     assert label({**row, "distill_tokens": 0, "seed": 0, "phase2_far_weight": 4.0}) == "heads + far_weight 4"
     old = {k: v for k, v in row.items() if k != "phase2_far_weight"}  # recorded before the option: it was off
     assert label({**old, "distill_tokens": 0}) == "heads (seed 1) + far_weight 0"
+
+
+@pytest.mark.parametrize("command", ["tradeoff", "recovery"])
+def test_too_short_niah_length_fails_before_the_teacher_loads(tmp_path, monkeypatch, command, capsys):
+    teacher, corpus = tiny_local_teacher(tmp_path)
+    module = f"taylor_calibrate.experiments.{command}"
+
+    def never(*a, **k):
+        raise AssertionError("the teacher was loaded before the NIAH lengths were checked")
+
+    monkeypatch.setattr(f"{module}.load_teacher", never)
+    assert main([command, "--teacher", str(teacher), "--niah_lengths", "[80]", "--out", str(tmp_path / "o"),
+                 *_convert_flags(corpus)]) != 0
+    assert "too short" in capsys.readouterr().err and not (tmp_path / "o").exists()

@@ -45,8 +45,8 @@ from taylor_calibrate.results import record, write_json
 from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import RETRIEVAL, gdn_layers
-from taylor_calibrate.retrieval import niah_scores
-from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+from taylor_calibrate.retrieval import check_lengths, niah_scores
+from taylor_calibrate.teacher import load_teacher, load_tokenizer, resolve_device, resolve_dtype
 from taylor_calibrate.training import autocast
 
 log = logging.getLogger("taylor_calibrate")
@@ -443,6 +443,8 @@ def run_recovery(args: RecoveryArgs) -> dict:
     apply_train_profile(args.train, profile)
     train_backend = training_backend(backend, args.backend, True)
     out = Path(args.out)
+    if args.niah:
+        check_lengths(load_tokenizer(args.teacher), args.niah_tasks, args.niah_lengths, args.niah_new_tokens)
     if ctx.main:
         check_same_experiment(out, args)
     teacher = load_teacher(args.teacher, device, dtype)

@@ -25,9 +25,9 @@ from taylor_calibrate.distill import distill
 from taylor_calibrate.evaluate import agreement, perplexity
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.results import record, write_text
-from taylor_calibrate.retrieval import (REPLY_KINDS, answer_scores, eval_probes, niah_scores, probe_length,
-                                       reply_rates)
-from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
+from taylor_calibrate.retrieval import (REPLY_KINDS, answer_scores, check_lengths, eval_probes, niah_scores,
+                                       probe_length, reply_rates)
+from taylor_calibrate.teacher import load_teacher, load_tokenizer, resolve_device, resolve_dtype
 
 RESULT = "tradeoff.json"
 
@@ -175,6 +175,7 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
     t0 = time.perf_counter()
     out = Path(args.out)
     device = resolve_device(args.device)
+    check_lengths(load_tokenizer(args.teacher), args.niah_tasks, args.niah_lengths, args.niah_new_tokens)
     teacher = load_teacher(args.teacher, device, resolve_dtype(args.dtype, device))
     tok = teacher.tokenizer
     base = convert_args_of(args)
