@@ -268,7 +268,7 @@ def run_device(a) -> None:
                     if key in res["memory"]:
                         continue
                     cmd = [str(bin_ / "llama-batched-bench"), "-m", str(path), "-c", str(pl * (ctx + a.gen_tokens)),
-                           "-npp", "16", "-ntg", "1", "-npl", str(pl), "-ngl", "99", "-fa", "on", "-lv", "3"]
+                           "-npp", "16", "-ntg", "1", "-npl", str(pl), "-ngl", "99", "-fa", "on", "-lv", "4"]
                     res["memory"][key] = memory_bytes(_run(cmd, log, 120))
                     save()
     res.setdefault("grid", [])
@@ -281,6 +281,7 @@ def run_device(a) -> None:
                 cmd = [str(bin_ / "llama-batched-bench"), "-m", str(path), "-c", str(max(a.parallel) * (ctx + a.gen_tokens)),
                        "-b", "2048", "-ub", "512", "-npp", str(ctx), "-ntg", str(a.gen_tokens),
                        "-npl", ",".join(map(str, a.parallel)), "-ngl", "99", "-fa", "on", "--output-format", "jsonl"]
+                cmd += ["-pps"] if a.shared_prompt else []
                 text = _run(cmd, log, a.cell_timeout)
                 rows = [json.loads(l) for l in text.splitlines() if l.startswith('{"n_kv_max"')]
                 res["grid"].append({"model": name, "context": ctx, "command": " ".join(cmd[1:]), "rows": rows})
@@ -338,6 +339,9 @@ def run_collect(a) -> None:
                 row[f"{name}_prompt_tok_s"] = r["speed_pp"] if r else None
                 cells = n_kv.get((name, pl * (ctx + a.gen_tokens), pl))
                 mem = cache_bytes(shapes[name], cells, pl) if cells else None
+                own = dev.get("memory", {}).get(f"{name}@{ctx}x{pl}") or {}
+                if own.get("mem_bytes"):  # llama.cpp's own size lines (printed at -lv 4) win over the count
+                    mem = {k: own[k] for k in ("mem_bytes", "kv_bytes", "recurrent_bytes")}
                 row[f"{name}_mem_bytes"] = mem and mem["mem_bytes"]
                 row[f"{name}_kv_bytes"] = mem and mem["kv_bytes"]
                 row[f"{name}_recurrent_bytes"] = mem and mem["recurrent_bytes"]
@@ -390,6 +394,9 @@ def run_collect(a) -> None:
                                       for p in c.get("prompts", [])] for k, c in checks.items()}},
         "grid": grid,
         "grid_commands": {f"{g['model']}@{g['context']}": g["command"] for g in dev.get("grid", [])},
+        "grid_note": ("-pps: each context's one prompt is prefilled once and copied to every sequence, so prompt tok/s "
+                      "is one sequence's prefill; decode is each sequence attending over its own copy"
+                      if any("-pps" in g["command"] for g in dev.get("grid", [])) else None),
         "memory_shapes": shapes,
         "gen_tokens": a.gen_tokens,
         "not_run": a.not_run,
@@ -612,6 +619,9 @@ def main(argv=None) -> None:
         s.add_argument("--parallel", type=int, nargs="+", default=[1, 8, 32])
         s.add_argument("--gen_tokens", type=int, default=128)
     d.add_argument("--cell_timeout", type=float, default=300)
+    d.add_argument("--shared_prompt", action="store_true",
+                   help="grid: one prompt prefilled and copied to every sequence (llama-batched-bench -pps): decode is "
+                        "measured the same, prefill once instead of once per sequence")
     c = sub.choices["collect"]
     c.add_argument("--ours", required=True, help="ours.json written by prepare")
     c.add_argument("--device_out", nargs="+", required=True, help="device step output folders (later ones fill in)")
