@@ -128,20 +128,55 @@ def test_convert_keeps_the_teachers_fp32_rope_frequencies():
     assert hybrid.model.rotary_emb.inv_freq.dtype == torch.float32
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
-def test_static_cache_generate_equals_dynamic(arch, single_thread):
-    """generate(cache_implementation="static") hands the model one prepared mask per layer type (a dict); the hybrid
-    gives its base model the attention ones and keeps the 2-D padding mask for its GDN layers: same tokens as the
-    dynamic cache, left padding included."""
-    hybrid = convert_teacher(tiny_teacher(arch), [1, 2], GDNConfig())
+def _padded_batch():
+    """Two prompts, the second left-padded by 3: (ids, attention_mask)."""
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("kept_groups", [None, {2: [1]}], ids=["whole", "headwise"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+def test_static_cache_generate_equals_dynamic(arch, kept_groups, single_thread):
+    """generate(cache_implementation="static") hands the model one prepared mask per layer type (a dict); the hybrid
+    gives its base model the attention ones and keeps the 2-D padding mask for its GDN layers: same tokens as the
+    dynamic cache, left padding included, with kept attention layers, GDN layers and a head-wise layer."""
+    hybrid = convert_teacher(tiny_teacher(arch), [1, 2], GDNConfig(short_conv="random"), kept_groups=kept_groups)
+    ids, mask = _padded_batch()
     with torch.no_grad():
         dynamic = hybrid.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
         static = hybrid.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                  cache_implementation="static")
     assert torch.equal(dynamic, static)
+
+
+def test_compiled_static_generate_equals_dynamic(single_thread):
+    """generate's own torch.compile of the decode step (forced on a CPU through compile_config) traces the hybrid's
+    forward over a StaticCache as one graph (fullgraph: no break) and decodes the same tokens as the eager dynamic
+    cache; a counting backend shows that the compiled step ran."""
+    from transformers import CompileConfig
+
+    hybrid = convert_teacher(tiny_teacher("llama"), [1, 2], GDNConfig(short_conv="random"), kept_groups={2: [1]})
+    ids, mask = _padded_batch()
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return torch._inductor.compile(gm, example_inputs)
+
+    config = CompileConfig(fullgraph=True, backend=inductor, mode=None)
+    config._compile_all_devices = True  # transformers' switch for compiling off CUDA
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            dynamic = hybrid.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+            compiled = hybrid.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                       cache_implementation="static", compile_config=config)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    assert torch.equal(dynamic, compiled)
 
 
 @pytest.mark.parametrize("short_conv", ["random", "none"])
