@@ -5,8 +5,9 @@ markdown rendered from it).
 Each benchmark is one script: perf_convert (a real teacher's default conversion), perf_align (phase 2 alone, warm),
 perf_stats (the statistics pass against a plain forward), perf_scale (the default conversion at 1.5B / 8B shapes),
 perf_distill (distillation throughput and MFU), perf_inference (prefill / decode / cache against the teacher),
-perf_decode (graph-captured decode beside the bandwidth roofline). `--tiny` runs any of them on tiny shapes (CPU is
-fine) to check it end to end.
+perf_decode (graph-captured decode beside the bandwidth roofline); generate_speed (a real teacher's and its hybrid's
+generate(), eager and compiled) renders here too. `--tiny` runs any of them on tiny shapes (CPU is fine) to check it
+end to end.
 """
 from __future__ import annotations
 
@@ -293,13 +294,35 @@ def markdown(res: dict) -> list[str]:
         lines += ["", "Roofline speedup: the teacher's minimum bytes per step (weights + KV at the context) over the "
                   "hybrid's (weights + KV of the kept layers + GDN states read and written): the ratio a "
                   "bandwidth-bound decoder approaches.", ""]
+    ge = res.get("generate")
+    if ge:
+        comp = ", ".join(f"{k} {v}" for k, v in ge["compile"].items() if v is not None)
+        lines += [f"## generate() ({ge['teacher']} and the hybrid {ge['hybrid']}: {ge['gdn_layers']} of {ge['layers']} "
+                  f"layers GDN, GDN backend `{ge['gdn_backend']}`, {ge['dtype']}, greedy, {ge['new_tokens']} new "
+                  f"tokens; eager: DynamicCache; compiled: StaticCache + generate's torch.compile ({comp}))", "",
+                  "| context x batch | decode tok/s eager teacher / hybrid | hybrid / teacher | decode tok/s compiled "
+                  "teacher / hybrid | hybrid / teacher | compiled / eager teacher / hybrid | compiled tokens = eager "
+                  "teacher / hybrid |", "|---|---|---|---|---|---|---|"]
+        for cell, r in ge["rows"].items():
+            t, h = r["teacher"], r["hybrid"]
+            same = " / ".join(str(x.get("compiled_tokens_equal", "-")) for x in (t, h))
+            lines.append(f"| {cell} | {pair(t['eager'], h['eager'], 'decode_tok_s', ',.0f')} | "
+                         f"{fmt(r['hybrid_over_teacher']['eager'])} | "
+                         f"{pair(t['compiled'], h['compiled'], 'decode_tok_s', ',.0f')} | "
+                         f"{fmt(r['hybrid_over_teacher']['compiled'])} | "
+                         f"{fmt(t['compiled_over_eager'])} / {fmt(h['compiled_over_eager'])} | {same} |"
+                         + "".join(row_errors(t[m], h[m]) for m in ("eager", "compiled")))
+        lines += ["", "Decode: generate with 1 + new tokens minus generate with 1 (prefill and first token), medians "
+                  "of the repeats after untimed warm-ups (which compile and capture).", ""]
     return lines
 
 
-def run_benchmark(script: str, doc: str, part, defaults: dict, add_arguments=None, argv=None) -> dict:
+def run_benchmark(script: str, doc: str, part, defaults: dict, add_arguments=None, argv=None,
+                  weights: str = "random weights") -> dict:
     """Parse the common flags (--tiny, --device, --out) and the benchmark's own (`add_arguments`; `defaults`:
     {name: (full, tiny)}), run `part(a, device, dtype, res, save)`, and write the JSON (rewritten after every
-    measured row through `save`, so a killed run keeps what it measured) and its markdown rendering beside it."""
+    measured row through `save`, so a killed run keeps what it measured) and its markdown rendering beside it
+    (`weights`: what its header says the models' weights are)."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU is fine): checks the script")
     ap.add_argument("--device", default="auto")
@@ -323,7 +346,7 @@ def run_benchmark(script: str, doc: str, part, defaults: dict, add_arguments=Non
         env = res["env"]
         lines = [f"# taylor-calibrate performance: {script} ({env.get('gpu', '?')})", "",
                  f"torch {env.get('torch')}, triton {env.get('triton')}, fla {env.get('fla')}, transformers "
-                 f"{env.get('transformers')}; random weights.", ""]
+                 f"{env.get('transformers')}; {weights}.", ""]
         return "\n".join(lines + markdown(res) + [f"Command: `{res['command']}`", ""])
 
     def save():
