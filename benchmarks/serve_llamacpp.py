@@ -274,6 +274,8 @@ def run_device(a) -> None:
     res.setdefault("grid", [])
     done = {(g["model"], g["context"]) for g in res["grid"]}
     if "grid" in a.parts:  # one llama-batched-bench per context, all parallel counts; the context holds the largest
+        # (each sequence prefills its own copy of the prompt: llama-batched-bench's shared prompt, -pps, fails on
+        # Qwen3.5's M-RoPE at the first generated token, "inconsistent sequence positions")
         for ctx in a.contexts:
             for name, path in models.items():
                 if (name, ctx) in done:
@@ -281,7 +283,6 @@ def run_device(a) -> None:
                 cmd = [str(bin_ / "llama-batched-bench"), "-m", str(path), "-c", str(max(a.parallel) * (ctx + a.gen_tokens)),
                        "-b", "2048", "-ub", "512", "-npp", str(ctx), "-ntg", str(a.gen_tokens),
                        "-npl", ",".join(map(str, a.parallel)), "-ngl", "99", "-fa", "on", "--output-format", "jsonl"]
-                cmd += ["-pps"] if a.shared_prompt else []
                 text = _run(cmd, log, a.cell_timeout)
                 rows = [json.loads(l) for l in text.splitlines() if l.startswith('{"n_kv_max"')]
                 res["grid"].append({"model": name, "context": ctx, "command": " ".join(cmd[1:]), "rows": rows})
@@ -619,9 +620,6 @@ def main(argv=None) -> None:
         s.add_argument("--parallel", type=int, nargs="+", default=[1, 8, 32])
         s.add_argument("--gen_tokens", type=int, default=128)
     d.add_argument("--cell_timeout", type=float, default=300)
-    d.add_argument("--shared_prompt", action="store_true",
-                   help="grid: one prompt prefilled and copied to every sequence (llama-batched-bench -pps): decode is "
-                        "measured the same, prefill once instead of once per sequence")
     c = sub.choices["collect"]
     c.add_argument("--ours", required=True, help="ours.json written by prepare")
     c.add_argument("--device_out", nargs="+", required=True, help="device step output folders (later ones fill in)")
