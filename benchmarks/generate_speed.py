@@ -17,7 +17,7 @@ import torch
 from perf_common import free, mb, measure, ratio, run_benchmark
 
 DEFAULTS = {
-    "grid": ("4096x1,16384x8,32768x8,32768x32", "16x1,24x2"),
+    "grid": ("4096x1,4096x8,8000x8,8000x32", "16x1,24x2"),
     "new_tokens": (64, 4),
     "repeats": (3, 1),
     "warmup": (2, 1),
@@ -104,8 +104,13 @@ def part_generate(a, device, dtype, res, save):
                   headwise_layers=len(hybrid.config.attention_heads or {}), gdn_backend=backend,
                   dtype=str(dtype).replace("torch.", ""), new_tokens=a.new_tokens, repeats=a.repeats,
                   warmup=a.warmup, compile=plain, rows={})
-    for cell in a.grid.split(","):
-        ctx, B = (int(x) for x in cell.split("x"))
+    cells = [tuple(int(x) for x in cell.split("x")) for cell in a.grid.split(",")]
+    limit = min(m.config.max_position_embeddings for m in models.values())
+    if too_long := [f"{c}x{b}" for c, b in cells if c + 1 + a.new_tokens > limit]:
+        raise SystemExit(f"--grid {','.join(too_long)}: context + {1 + a.new_tokens} new tokens exceeds the models' "
+                         f"max_position_embeddings ({limit}); use contexts up to {limit - 1 - a.new_tokens}")
+    for ctx, B in cells:
+        cell = f"{ctx}x{B}"
         ids = torch.randint(0, vocab, (B, ctx), generator=torch.Generator().manual_seed(ctx + B)).to(device)
         rows = {}
         for name, model in models.items():

@@ -35,3 +35,11 @@ def test_generate_speed_tiny(tmp_path):
         assert all(math.isfinite(v) for v in row["hybrid_over_teacher"].values())
     assert res["hybrid_compiled_tokens_equal"] is True
     assert "commit" in res and "## generate()" in out.with_suffix(".md").read_text()
+
+
+def test_cell_beyond_the_models_positions_is_refused(tmp_path):
+    hybrid_dir, teacher_dir = tiny_saved_hybrid(tmp_path)
+    with pytest.raises(SystemExit, match="exceeds the models' max_position_embeddings"):
+        load_benchmark("generate_speed").main(["--tiny", "--device", "cpu", "--teacher", str(teacher_dir),
+                                               "--hybrid", str(hybrid_dir), "--grid", "100000x1",
+                                               "--out", str(tmp_path / "g.json")])
