@@ -18,17 +18,19 @@ gguf = pytest.importorskip("gguf")
 
 # What llama.cpp's qwen35 loader (src/models/qwen35.cpp, llama.cpp vendored in llama-cpp-python 0.3.36) creates for a
 # dense model: per layer kind, GGUF tensor name -> shape as GGUF lists it (ne0 first), in terms of the config.
-def expected_tensors(n_layers, gdn_layers, E, F, H, Hkv, D, K, V):
+def expected_tensors(n_layers, gdn_layers, E, F, H, Hkv, D, K, V, G=None):
+    """G: the GDN layers' heads in the file (H, or more where export pads zero heads for llama.cpp's CUDA conv)."""
+    G = G or H
     out = {"token_embd.weight": [E, V], "output_norm.weight": [E], "output.weight": [E, V]}
     for i in range(n_layers):
         b = f"blk.{i}."
         out.update({b + "attn_norm.weight": [E], b + "post_attention_norm.weight": [E], b + "ffn_gate.weight": [E, F],
                     b + "ffn_up.weight": [E, F], b + "ffn_down.weight": [F, E]})
         if i in gdn_layers:
-            out.update({b + "attn_qkv.weight": [E, 3 * H * D], b + "attn_gate.weight": [E, H * D],
-                        b + "ssm_conv1d.weight": [K, 3 * H * D], b + "ssm_dt.bias": [H], b + "ssm_a": [H],
-                        b + "ssm_beta.weight": [E, H], b + "ssm_alpha.weight": [E, H], b + "ssm_norm.weight": [D],
-                        b + "ssm_out.weight": [H * D, E]})
+            out.update({b + "attn_qkv.weight": [E, 3 * G * D], b + "attn_gate.weight": [E, G * D],
+                        b + "ssm_conv1d.weight": [K, 3 * G * D], b + "ssm_dt.bias": [G], b + "ssm_a": [G],
+                        b + "ssm_beta.weight": [E, G], b + "ssm_alpha.weight": [E, G], b + "ssm_norm.weight": [D],
+                        b + "ssm_out.weight": [G * D, E]})
         else:
             out.update({b + "attn_q.weight": [E, 2 * H * D], b + "attn_k.weight": [E, Hkv * D],
                         b + "attn_v.weight": [E, Hkv * D], b + "attn_output.weight": [H * D, E],
@@ -70,7 +72,9 @@ def test_gguf_tensors_and_metadata_are_what_llama_cpp_reads(exported):
     c = hybrid.config
     r = gguf.GGUFReader(str(path))
     got = {t.name: t.shape.tolist() for t in r.tensors}
-    assert got == expected_tensors(4, {0, 1, 2}, c.hidden_size, 96, 4, 2, 16, 4, c.vocab_size)
+    # 4 GDN heads x 3 x 16 = 192 conv channels; 4 zero heads make 384, a multiple of llama.cpp's CUDA conv's 128
+    assert got == expected_tensors(4, {0, 1, 2}, c.hidden_size, 96, 4, 2, 16, 4, c.vocab_size, G=8)
+    assert _field(r, "qwen35.ssm.group_count") == _field(r, "qwen35.ssm.time_step_rank") == 8
     assert all(k in r.fields for k in REQUIRED_KEYS)
     assert _field(r, "general.architecture") == "qwen35"
     assert _field(r, "qwen35.attention.recurrent_layers") == [True, True, True, False]
@@ -80,10 +84,36 @@ def test_gguf_tensors_and_metadata_are_what_llama_cpp_reads(exported):
     # the transforms llama.cpp's converter applies: A = -exp(A_log); norms as the multiplier itself
     tensors = {t.name: np.asarray(t.data) for t in r.tensors}
     m = hybrid.gdn_mixers[0]
-    assert np.allclose(tensors["blk.0.ssm_a"], -m.A_log.exp().detach().numpy())
+    assert np.allclose(tensors["blk.0.ssm_a"][:4], -m.A_log.exp().detach().numpy())  # then the 4 zero heads
     assert np.allclose(tensors["blk.0.ssm_norm.weight"], m.o_norm.weight.detach().numpy())
     assert np.allclose(tensors["blk.3.attn_q_norm.weight"],
                        hybrid.model.layers[3].self_attn.q_norm.weight.detach().numpy(), atol=1e-6)
+
+
+def test_zero_heads_padded_for_llama_cpp_cuda_change_nothing():
+    """pad_linear_heads: conv channels become a multiple of 128, and transformers' own Qwen3_5ForCausalLM gives the
+    same logits with the zero heads as without (llama.cpp's graph: the test below, where llama-cpp-python is here)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from taylor_calibrate.export.gguf import pad_linear_heads
+    from taylor_calibrate.export.qwen3_5 import qwen3_5_config, qwen3_5_state_dict
+
+    _, hybrid = tiny_hybrid(gdn_layers=(0, 2), vocab_size=VOCAB, short_conv="random")
+    config = qwen3_5_config(hybrid.config, torch.float32)
+    weights = qwen3_5_state_dict(hybrid.config, hybrid.state_dict())
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for pad in (False, True):
+        if pad:
+            assert pad_linear_heads(config, weights) == 4  # 4 heads x 48 channels -> 8 x 48 = 384 = 3 x 128
+            assert (2 * 16 + 16) * config["linear_num_key_heads"] % 128 == 0
+            assert pad_linear_heads(config, weights) == 0  # already a multiple: nothing more
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**config)).eval()
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not unexpected and not [k for k in missing if "rotary" not in k]
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.allclose(logits[0], logits[1], atol=1e-6)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="pip install llama-cpp-python")

@@ -31,6 +31,47 @@ GGUF_NAME = "model.gguf"
 FTYPES = {"f32": np.float32, "f16": np.float16}
 
 
+CONV_CHANNEL_MULTIPLE = 128
+"""llama.cpp's CUDA `ssm_conv` takes a channel count that is a multiple of this; any other (SmolLM2's 9 heads x 3 x
+64 = 1728) runs the GDN conv on the CPU: a GPU -> CPU -> GPU round trip in every GDN layer at every step."""
+
+
+def pad_linear_heads(config: dict, weights: dict[str, torch.Tensor], multiple: int = CONV_CHANNEL_MULTIPLE) -> int:
+    """Append all-zero GDN heads to every linear-attention layer until its conv channels (2 Hk dk + Hv dv) are a
+    multiple of `multiple`, so llama.cpp's CUDA backend runs the whole layer. A zero head is exact: its q, k, v and
+    gate rows, conv taps and out_proj columns are 0, so its state stays 0 and it adds nothing to the output (the
+    l2-norms and the gated RMSNorm of a zero vector are 0). Edits `config` and `weights` in place; returns the heads
+    added per layer (0: none needed, or none possible with Hv != Hk, which is logged)."""
+    hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    if (2 * hk * dk + hv * dv) % multiple == 0:
+        return 0
+    pad = next((p for p in range(1, hk + 1) if (2 * dk + dv) * (hk + p) % multiple == 0), None) if hk == hv else None
+    if pad is None:
+        log.warning("gguf export: GDN conv channels %d are not a multiple of %d: llama.cpp's CUDA backend runs that "
+                    "conv on the CPU", 2 * hk * dk + hv * dv, multiple)
+        return 0
+
+    def grow(w, sizes, dim=0):  # each block of `sizes` along `dim` gets its zero heads after it
+        parts = torch.split(w, [n * d for n, d in sizes], dim=dim)
+        zeros = [w.new_zeros(*(pad * d if i == dim else n for i, n in enumerate(w.shape))) for _, d in sizes]
+        return torch.cat([t for pair in zip(parts, zeros) for t in pair], dim=dim)
+
+    for name in [n for n in weights if n.endswith("linear_attn.in_proj_qkv.weight")]:
+        p = name.removesuffix("in_proj_qkv.weight")
+        blocks = [(hk, dk), (hk, dk), (hv, dv)]
+        weights[p + "in_proj_qkv.weight"] = grow(weights[p + "in_proj_qkv.weight"], blocks)
+        weights[p + "conv1d.weight"] = grow(weights[p + "conv1d.weight"], blocks)
+        weights[p + "in_proj_z.weight"] = grow(weights[p + "in_proj_z.weight"], [(hv, dv)])
+        for key in ("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias"):
+            weights[p + key] = grow(weights[p + key], [(hv, 1)])
+        weights[p + "out_proj.weight"] = grow(weights[p + "out_proj.weight"], [(hv, dv)], dim=1)
+    config["linear_num_key_heads"], config["linear_num_value_heads"] = hk + pad, hv + pad
+    log.info("gguf export: %d zero GDN head(s) added per layer (%d -> %d) so that llama.cpp's CUDA conv runs them "
+             "(channels %d -> %d)", pad, hk, hk + pad, 2 * hk * dk + hv * dv, (2 * dk + dv) * (hk + pad))
+    return pad
+
+
 def _gguf_tensor(name: str, w: torch.Tensor, tensor_map) -> tuple[str, np.ndarray]:
     """One Qwen3.5 tensor -> (GGUF name, fp32 array) in llama.cpp's layout."""
     w = w.detach().float()
@@ -184,6 +225,7 @@ def export_gguf(model_dir: str | Path, out_dir: str | Path, ftype: str = "f32") 
     cfg, state = _load_hybrid_files(src)
     weights = qwen3_5_state_dict(cfg, state)
     config = qwen3_5_config(cfg, torch.float32)
+    pad_linear_heads(config, weights)
     rope = config["rope_parameters"]
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"gguf export writes plain RoPE; this model's rope_type is {rope['rope_type']!r}")
