@@ -687,6 +687,7 @@ class TradeoffArgs(PipelineArgs, NiahArgs):
 
 
 EXPORT_FORMATS = ("qwen3_5", "gguf")
+GGUF_TYPES = ("f32", "f16")
 
 
 @dataclass
@@ -700,10 +701,18 @@ class ExportArgs:
     format: str = "qwen3_5"
     """"qwen3_5": transformers' Qwen3_5ForCausalLM (also vLLM, SGLang); "gguf": llama.cpp's qwen35 (one .gguf file
     in --out)."""
+    gguf_type: str = "f32"
+    """--format gguf: the weight matrices' type, "f32" or "f16" (what llama.cpp serves; norms, gates, A, dt bias and
+    the conv kernel stay fp32 either way). Quantise further with llama.cpp's llama-quantize."""
 
     def __post_init__(self):
         if self.format not in EXPORT_FORMATS:
             raise ValueError(f"export format={self.format!r} is not one of {EXPORT_FORMATS}")
+        if self.gguf_type not in GGUF_TYPES:
+            raise ValueError(f"export --gguf_type {self.gguf_type!r} is not one of {GGUF_TYPES}")
+        if self.format != "gguf" and self.gguf_type != "f32":
+            raise ValueError(f"--gguf_type {self.gguf_type} applies to --format gguf only (this is --format "
+                             f"{self.format})")
 
 
 def args_parser(args_cls, description: str | None = None) -> ArgumentParser:

@@ -392,3 +392,21 @@ def test_convert_of_an_exported_model_names_it_and_the_teacher_to_pass(tmp_path,
         assert "Pass the Transformer it was converted from" + (" (/models/its-teacher)" if origin else " as") in err
         assert "distill --student" in err and "download" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_export_cli_writes_f16_matrices_on_request(tmp_path, capsys):
+    """`export --format gguf --gguf_type f16`: the weight matrices in f16 (what llama.cpp serves), the rest fp32;
+    --gguf_type with --format qwen3_5 is refused at parse."""
+    from taylor_calibrate.cli import main
+
+    tok = tiny_tokenizer([p.read_text() for p in sorted(tiny_corpus(tmp_path / "corpus").iterdir())])
+    _, hybrid = tiny_hybrid(vocab_size=VOCAB)
+    save_hybrid(hybrid, tok, tmp_path / "hybrid")
+    assert main(["export", "--model", str(tmp_path / "hybrid"), "--format", "gguf", "--gguf_type", "f16",
+                 "--out", str(tmp_path / "g")]) == 0
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "g" / "model.gguf")).tensors}
+    assert types["blk.0.attn_qkv.weight"] == types["token_embd.weight"] == gguf.GGMLQuantizationType.F16
+    assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ssm_a"] == gguf.GGMLQuantizationType.F32
+    capsys.readouterr()
+    assert main(["export", "--model", str(tmp_path / "hybrid"), "--gguf_type", "f16", "--out", str(tmp_path / "q")]) != 0
+    assert "applies to --format gguf only" in capsys.readouterr().err and not (tmp_path / "q").exists()

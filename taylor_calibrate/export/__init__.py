@@ -35,11 +35,12 @@ def run_export(args: ExportArgs) -> dict:
     check_model_dir(Path(args.model))  # before anything reads its files (a pipe would block the reader)
     check_whole_layers(args.model)
     with write_errors(args.out):
-        out = (export_gguf if args.format == "gguf" else export_qwen3_5)(args.model, args.out)
+        out = (export_gguf(args.model, args.out, ftype=args.gguf_type) if args.format == "gguf"
+               else export_qwen3_5(args.model, args.out))
     as_umask(args.out)  # written by mkdtemp and safetensors (0700 / 0600)
     if args.format == "gguf":
-        print(f"exported {args.model} -> {out} (GGUF, llama.cpp architecture qwen35)")
+        print(f"exported {args.model} -> {out} (GGUF {args.gguf_type}, llama.cpp architecture qwen35)")
     else:
         print(f"exported {args.model} -> {out} ({args.format}): load with transformers' AutoModelForCausalLM, no "
               "trust_remote_code")
-    return {"model": args.model, "out": str(out), "format": args.format}
+    return {"model": args.model, "out": str(out), "format": args.format, "gguf_type": args.gguf_type}

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from taylor_calibrate.config import GGUF_TYPES
 from taylor_calibrate.export.qwen3_5 import _load_hybrid_files, qwen3_5_config, qwen3_5_state_dict
 from taylor_calibrate.model.hybrid_config import MIXER_TYPE
 from taylor_calibrate.teacher import GGUF_TOKENIZER_KEY, IGNORE_MERGES_PRE
@@ -28,7 +29,7 @@ log = logging.getLogger("taylor_calibrate")
 
 ARCH = "qwen35"
 GGUF_NAME = "model.gguf"
-FTYPES = {"f32": np.float32, "f16": np.float16}
+FTYPES = dict(zip(GGUF_TYPES, (np.float32, np.float16)))
 
 
 CONV_CHANNEL_MULTIPLE = 128
