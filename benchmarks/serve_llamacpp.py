@@ -174,11 +174,15 @@ def _run(cmd: list[str], log: Path, timeout: float) -> str:
 
 
 def memory_bytes(log: str) -> dict:
-    """KV cache and recurrent-state sizes as llama.cpp prints them when it creates the context (MiB)."""
+    """KV cache and recurrent-state sizes as llama.cpp prints them when it creates the context (MiB), and its graph's
+    node and split counts: a split is a switch between backends, so more splits than the teacher's means some op of
+    the hybrid runs on the CPU (llama.cpp's CUDA backend does not take it)."""
     kv = [float(m) for m in re.findall(r"llama_kv_cache: size = +([\d.]+) MiB", log)]
     rs = [float(m) for m in re.findall(r"llama_memory_recurrent: size = +([\d.]+) MiB", log)]
+    graph = re.search(r"graph: nodes = (\d+), splits = (\d+)", log)
     return {"kv_bytes": int(sum(kv) * MIB), "recurrent_bytes": int(sum(rs) * MIB),
-            "mem_bytes": int((sum(kv) + sum(rs)) * MIB)}
+            "mem_bytes": int((sum(kv) + sum(rs)) * MIB),
+            "graph_nodes": int(graph.group(1)) if graph else None, "graph_splits": int(graph.group(2)) if graph else None}
 
 
 def engine_checks(model: Path, ours: dict, ctx: int, kv_f32: bool) -> dict:
@@ -399,6 +403,9 @@ def run_collect(a) -> None:
                       "is one sequence's prefill; decode is each sequence attending over its own copy"
                       if any("-pps" in g["command"] for g in dev.get("grid", [])) else None),
         "memory_shapes": shapes,
+        "graph": {name: sorted({(m.get("graph_nodes"), m.get("graph_splits")) for k, m in dev.get("memory", {}).items()
+                                if k.startswith(name + "@") and m.get("graph_splits") is not None})
+                  for name in ("teacher", "hybrid")},
         "gen_tokens": a.gen_tokens,
         "not_run": a.not_run,
     }

@@ -78,3 +78,17 @@ def test_bytes_step_on_a_tiny_hybrid(tmp_path):
     assert m["engine"]["scored_bytes"] == m["ours"]["scored_bytes"]
     assert abs(m["engine_over_ours"] - 1) < 1e-4
     assert "commit" in res and "dirty" in res and "/" not in m["engine"]["command"].split()[2]
+
+
+def test_memory_lines_and_graph_splits_are_read_from_llama_cpp_log():
+    """The context-creation lines llama.cpp prints at -lv 4 (copied from an H200 run): cache sizes in MiB, and the
+    graph's node / split counts (50 splits for a hybrid whose GDN conv ran on the CPU)."""
+    log = ("0.00.512.278 I llama_kv_cache: size =   19.12 MiB (  4352 cells,   6 layers,  1/1 seqs), K (f16):    9.56 "
+           "MiB, V (f16):    9.56 MiB\n0.00.512.483 I llama_memory_recurrent: size =    3.85 MiB (     1 cells,  30 "
+           "layers,  1 seqs  0 rs_seq), R (f32):    0.47 MiB, S (f32):    3.38 MiB, P (f32):    0.00 MiB\n"
+           "0.00.533.633 I sched_reserve: graph: nodes = 1801, splits = 50, input objects = 4, input tensors = 7\n")
+    got = load_benchmark("serve_llamacpp").memory_bytes(log)
+    assert got["kv_bytes"] == int(19.12 * 2 ** 20) and got["recurrent_bytes"] == int(3.85 * 2 ** 20)
+    assert got["mem_bytes"] == int((19.12 + 3.85) * 2 ** 20)
+    assert (got["graph_nodes"], got["graph_splits"]) == (1801, 50)
+    assert load_benchmark("serve_llamacpp").memory_bytes("")["graph_splits"] is None
