@@ -455,3 +455,58 @@ def test_a_lock_file_that_is_not_a_file_is_named(rw, kind):
     fails(main("tokenize", "--model", teacher, "--data.source", corpus, "--out", d / "out"),
           r"the lock file .*\.out\.lock of --out .* is not a regular file", "remove it", "another --out")
     assert not (d / "out").exists() and (lock.is_dir() if kind == "directory" else lock.exists())
+
+
+# --- fourth sweep: inputs a new user would hit --------------------------------------------------------------------
+def _small_vocab_teacher(root: Path, teacher: Path) -> Path:
+    """A teacher whose config and weights have 100 embedding rows beside the 300-token tokenizer of `teacher`."""
+    import torch
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t = root / "small_vocab_teacher"
+    if not t.exists():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=100)).save_pretrained(t)
+        AutoTokenizer.from_pretrained(teacher).save_pretrained(t)
+    return t
+
+
+def test_a_tokenizer_beyond_the_teachers_embedding_is_named(rw):
+    """A teacher whose tokenizer gives ids past its embedding rows was an IndexError from torch.embedding at the first
+    batch (on a GPU, a device-side assert)."""
+    root, teacher, corpus, hybrid, _ = rw
+    t = _small_vocab_teacher(root, teacher)
+    before = tree(t)
+    out = root / "small_vocab_out"
+    fails(main("convert", "--teacher", t, "--data.source", corpus, *SMALL, "--out", out),
+          "small_vocab_teacher: the tokenizer gives ids up to 299, but the model's embedding has 100 rows",
+          "belong to another model", "copy the tokenizer files of the teacher's own checkpoint")
+    assert tree(t) == before and not out.exists()
+
+
+def test_a_hybrid_whose_tokenizer_outgrew_its_embedding_is_named(rw):
+    from transformers import AutoTokenizer
+
+    root, teacher, corpus, hybrid, _ = rw
+    h = copy_tree(hybrid, root / "grown_tokenizer")
+    tok = AutoTokenizer.from_pretrained(h)
+    tok.add_tokens([f"<extra{i}>" for i in range(8)])
+    tok.save_pretrained(h)
+    before = tree(h)
+    fails(main("eval", "--model", h, "--data.source", corpus, *EVAL, "--out", root / "grown_eval"),
+          "grown_tokenizer: the tokenizer gives ids up to 307, but the model's embedding has 300 rows",
+          "copy them again from the teacher")
+    assert tree(h) == before and not (root / "grown_eval").exists()
+
+
+def test_tokenize_with_a_model_without_tokenizer_files_names_them(rw):
+    """It was "Couldn't instantiate the backend tokenizer from one of: ..." over several lines, naming no file."""
+    root, teacher, corpus, hybrid, _ = rw
+    h = copy_tree(hybrid, root / "no_tokenizer")
+    for f in h.glob("tokenizer*"):
+        f.unlink()
+    before = tree(h)
+    fails(main("tokenize", "--model", h, "--data.source", corpus, "--out", root / "no_tokenizer_tokens"),
+          "no_tokenizer' has no tokenizer files", "copy them from the original checkpoint")
+    assert tree(h) == before and not (root / "no_tokenizer_tokens").exists()
