@@ -500,6 +500,37 @@ def test_a_hybrid_whose_tokenizer_outgrew_its_embedding_is_named(rw):
     assert tree(h) == before and not (root / "grown_eval").exists()
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["ablate", "--policies", "[]"], "--policies"),
+    (["ablate", "--inits", "[]"], "--inits"),
+    (["tradeoff", "--budgets", "[]"], "--budgets"),
+    (["tradeoff", "--policies", "[]"], "--policies"),
+    (["recovery", "--policies", "[]", "--extra", "[]"], "--policies"),
+])
+def test_an_empty_list_of_what_to_run_is_refused_at_parse(rw, argv, flag):
+    """`ablate --policies '[]'` loaded the teacher and failed with "align_layers: no mixers given"; an empty
+    `--budgets` ran nothing and wrote a table of no rows. Refused at parse, naming the option."""
+    root, teacher, corpus, hybrid, _ = rw
+    out = root / f"empty_{argv[0]}"
+    fails(main(*argv, "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", out),
+          f"{flag} is empty, so there is nothing to run", "pass at least one")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["convert", "--policy", "layers=3-1"], "layer range '3-1' in '3-1' runs backwards; write it low-high, e.g. 1-3"),
+    (["damage", "--sets", '["3-1"]'], "layer range '3-1' in '3-1' runs backwards"),
+    (["damage", "--sets", '["0", ","]'], r"holds a set naming no layer \(','\)"),
+])
+def test_a_layer_list_that_names_no_layer_is_refused(rw, argv, message):
+    """`layers=3-1` was range(3, 2): no layer, so convert converted every layer and damage wrote a row for a set that
+    converts nothing, as if free."""
+    root, teacher, corpus, hybrid, _ = rw
+    out = root / f"no_layer_{argv[0]}"
+    fails(main(*argv, "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", out), message)
+    assert not out.exists()
+
+
 def test_tokenize_with_a_model_without_tokenizer_files_names_them(rw):
     """It was "Couldn't instantiate the backend tokenizer from one of: ..." over several lines, naming no file."""
     root, teacher, corpus, hybrid, _ = rw
