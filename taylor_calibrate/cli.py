@@ -10,7 +10,9 @@ import functools
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 
 from jsonargparse import ArgumentParser, set_parsing_settings
 
@@ -60,7 +62,8 @@ def parse(argv: list[str] | None = None):
 
 
 def check_config_files(words: list[str]) -> None:
-    """A --config that names a pipe or device would block the parser for ever: refuse it (a YAML string is fine)."""
+    """A --config that names a pipe or device would block the parser for ever, and one that is not text fails in it
+    without naming the file: refuse both (a YAML string is fine)."""
     for i, w in enumerate(words):
         if w.startswith("--config="):
             value = w.split("=", 1)[1]
@@ -70,6 +73,13 @@ def check_config_files(words: list[str]) -> None:
             continue
         if os.path.exists(value) and not os.path.isfile(value):
             raise ValueError(f"--config {value} is not a regular file (a directory, pipe or device); pass a YAML file")
+        if os.path.isfile(value):
+            try:
+                with open(value, encoding="utf-8") as f:
+                    f.read()
+            except UnicodeDecodeError as e:  # the parser's own message names neither the file nor the option
+                raise ValueError(f"--config {value} is not UTF-8 text ({e.reason} at byte {e.start}); pass a YAML "
+                                 "file") from None
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -88,6 +98,15 @@ def describe(e: BaseException, args=None) -> str:
     return f"{e.strerror}{f': {where}' if where else ''}; fix the permissions there or pass another path"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a scheduler's time limit, `docker stop`) taken as a Ctrl-C: the same cleanup of staged outputs
+    and locks, and the same one line, where the default action would end the process on the spot."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "huggingface_hub", "filelock"):
@@ -95,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     name = next((w for w in words if w in COMMANDS), None)  # for the error line, before parsing succeeds
     args = None
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         check_config_files(words)
         name, args = parse(argv)
@@ -105,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError, RuntimeError, ImportError) as e:
         print(f"taylor-calibrate {name or ''}: error: {describe(e, args)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"taylor-calibrate {name or ''}: interrupted; nothing half-written was kept (outputs appear whole or "
+    except KeyboardInterrupt as e:
+        how = " (SIGTERM)" if isinstance(e, Terminated) else ""
+        print(f"taylor-calibrate {name or ''}: interrupted{how}; nothing half-written was kept (outputs appear whole or "
               "not at all; distill resumes from its last checkpoint)", file=sys.stderr)
-        return 130
+        return 143 if isinstance(e, Terminated) else 130
     return 0
 
 

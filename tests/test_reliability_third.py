@@ -541,3 +541,13 @@ def test_tokenize_with_a_model_without_tokenizer_files_names_them(rw):
     fails(main("tokenize", "--model", h, "--data.source", corpus, "--out", root / "no_tokenizer_tokens"),
           "no_tokenizer' has no tokenizer files", "copy them from the original checkpoint")
     assert tree(h) == before and not (root / "no_tokenizer_tokens").exists()
+
+
+def test_a_config_file_that_is_not_text_is_named(rw):
+    """A binary --config was "'utf-8' codec can't decode byte 0xff in position 0", naming neither file nor flag."""
+    root, teacher, corpus, hybrid, _ = rw
+    cfg = root / "binary.yaml"
+    cfg.write_bytes(b"\xff\xfe\x00garbage\x81")
+    fails(main("convert", "--config", cfg, "--teacher", teacher, "--data.source", corpus, "--out", root / "bin_cfg"),
+          r"--config .*binary\.yaml is not UTF-8 text", "pass a YAML file")
+    assert not (root / "bin_cfg").exists()
