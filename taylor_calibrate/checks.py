@@ -79,6 +79,8 @@ def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs:
     `command` and `overwrite` is off (None: the command has no --overwrite). With `lock`, the lock of `out`
     (`output_lock`) is taken into it before the last check, so a second run names the first instead. Returns the
     resolved path."""
+    if not str(out).strip():  # Path("") is the working directory, which would then be checked and written
+        raise ValueError(f"{flag} is empty; pass a directory path")
     raw = Path(out).expanduser()
     if raw.is_symlink() and not raw.exists():
         raise FileNotFoundError(f"{flag} {out} is a link to {os.readlink(raw)}, which does not exist; pass a directory "

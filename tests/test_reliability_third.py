@@ -543,6 +543,18 @@ def test_tokenize_with_a_model_without_tokenizer_files_names_them(rw):
     assert tree(h) == before and not (root / "no_tokenizer_tokens").exists()
 
 
+def test_an_empty_out_is_refused_not_taken_for_the_working_directory(rw, monkeypatch):
+    """`--out ''` was the working directory: "--out  holds the --model directory" where that held the teacher, and
+    elsewhere a write into the directory the user stood in."""
+    root, teacher, corpus, hybrid, _ = rw
+    here = root / "cwd_empty_out"
+    here.mkdir(exist_ok=True)
+    monkeypatch.chdir(here)
+    fails(main("tokenize", "--model", teacher, "--data.source", corpus, "--out", ""), "--out is empty",
+          "pass a directory path")
+    assert list(here.iterdir()) == []
+
+
 def test_a_config_file_that_is_not_text_is_named(rw):
     """A binary --config was "'utf-8' codec can't decode byte 0xff in position 0", naming neither file nor flag."""
     root, teacher, corpus, hybrid, _ = rw
@@ -551,3 +563,12 @@ def test_a_config_file_that_is_not_text_is_named(rw):
     fails(main("convert", "--config", cfg, "--teacher", teacher, "--data.source", corpus, "--out", root / "bin_cfg"),
           r"--config .*binary\.yaml is not UTF-8 text", "pass a YAML file")
     assert not (root / "bin_cfg").exists()
+
+
+def test_report_of_json_nested_too_deep_is_one_line(rw):
+    """It was "maximum recursion depth exceeded while decoding a JSON object from a unicode string", naming no file."""
+    root = rw[0]
+    f = root / "deep.json"
+    f.write_text('{"a":' * 5000 + "1" + "}" * 5000)
+    fails(main("report", "--file", f), r"deep\.json nests JSON deeper than Python's recursion limit",
+          "pass a results JSON")
