@@ -533,10 +533,15 @@ START_OVER = ("pass a new --out, or --resume false --overwrite true to start ove
 
 def check_fresh_out(out: Path, resume: bool, overwrite: bool) -> None:
     """Before any work: a run that will start afresh in `out` (not `resume`, or no checkpoint there) over an earlier
-    run's output needs `overwrite` (that output is deleted as the run starts: `clear_run`). A user's file or folder of
-    a name the run writes is never replaced (`checks.check_out`, before this)."""
+    run's output needs `overwrite` (that output is deleted as the run starts: `clear_run`), unless that output is only
+    the metrics of a run stopped before its first checkpoint (nothing trained to lose). A user's file or folder of a
+    name the run writes is never replaced (`checks.check_out`, before this)."""
     if resume and any((out / CKPT_DIR).glob("step_*")):
         return  # resumed, or refused naming what differs (resume_checkpoint)
+    if resume and is_output_of(out, "distill") and not (out / REPORT).exists() and not (out / "model").exists():
+        log.info("%s holds only the metrics of a run stopped before its first checkpoint (nothing trained): the run "
+                 "starts over there", out)  # the same command again, after a Ctrl-C in the first steps
+        return
     if is_output_of(out, "distill") and not overwrite:
         why = "--resume false starts a new run there" if not resume else "it holds no checkpoint to resume from"
         raise FileExistsError(f"--out {out} holds an earlier distill run's output and {why}; pass --overwrite true "

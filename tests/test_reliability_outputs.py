@@ -53,6 +53,23 @@ def test_a_new_run_over_a_finished_one_needs_overwrite(ow, case):
     assert tree(d) == before
 
 
+def test_a_run_stopped_before_its_first_checkpoint_starts_over_with_the_same_command(ow):
+    """Ctrl-C in a run's first steps left only its step-0 metrics; the same command again (which the interrupt line
+    says resumes) was refused: "holds no checkpoint to resume from; pass --overwrite true". Nothing trained is lost by
+    starting over, so it does; one run's records result."""
+    root = ow[0]
+    d = copy_tree(ow[4], root / "stopped_early")
+    shutil.rmtree(d / "checkpoints")
+    shutil.rmtree(d / "model")
+    (d / "report.json").unlink()
+    first = (d / "metrics.jsonl").read_text().splitlines()[0]
+    (d / "metrics.jsonl").write_text(first + "\n")
+    succeeds(_distill(ow, d))
+    steps = [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps.count(0) == 1, steps
+    assert json.loads((d / "report.json").read_text())["resumed_from"] is None and (d / "model").is_dir()
+
+
 def test_overwrite_deletes_the_earlier_run_as_it_starts_so_a_crash_leaves_no_mix(ow):
     """With --overwrite true the earlier run's report.json, model/, metrics and checkpoints go as the run starts: a
     new run that fails midway (a diverging loss) leaves none of them beside its own files; one that finishes leaves
