@@ -572,3 +572,50 @@ def test_report_of_json_nested_too_deep_is_one_line(rw):
     f.write_text('{"a":' * 5000 + "1" + "}" * 5000)
     fails(main("report", "--file", f), r"deep\.json nests JSON deeper than Python's recursion limit",
           "pass a results JSON")
+
+
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_a_token_cache_that_is_a_file_is_named(rw, where):
+    """It was "[Errno 20] Not a directory: '<cache>/.locks'" once the run needed the cache, naming no option."""
+    root, teacher, corpus, hybrid, _ = rw
+    f = root / "cache_file"
+    f.write_text("mine\n")
+    cache = f if where == "file" else f / "tokens"
+    what = "is a file" if where == "file" else "lies under .*cache_file, which is a file"
+    fails(main("tokenize", "--model", teacher, "--data.source", corpus, "--data.token_cache", cache, "--out",
+               root / f"cache_{where}_out"), f"--data.token_cache .*{what}", "pass --data.token_cache with a directory")
+    assert f.read_text() == "mine\n" and not (root / f"cache_{where}_out").exists()
+
+
+def test_a_damaged_save_to_disk_corpus_is_named(rw):
+    """A directory with save_to_disk's marker files that datasets cannot read was the bare "Expecting property name
+    enclosed in double quotes: line 1 column 2 (char 1)"."""
+    root, teacher, corpus, hybrid, _ = rw
+    ds = root / "damaged_dataset"
+    ds.mkdir(exist_ok=True)
+    (ds / "dataset_info.json").write_text("{}")
+    (ds / "state.json").write_text("{garbage")
+    before = tree(ds)
+    fails(main("tokenize", "--model", teacher, "--data.source", ds, "--out", root / "damaged_dataset_out"),
+          r"damaged_dataset' holds dataset_info\.json, state\.json as a datasets save_to_disk directory does, but "
+          "datasets cannot read it", "save the dataset again")
+    assert tree(ds) == before and not (root / "damaged_dataset_out").exists()
+
+
+def test_distill_on_token_shards_uses_and_records_their_split(rw):
+    """Shards split at heldout_fraction 0.5, distilled with --data.heldout_fraction 0.3: the option was ignored but
+    recorded in report.json (and the run identity), describing rows the run never used."""
+    root, teacher, corpus, hybrid, _ = rw
+    shards = root / "shards_split"
+    if not shards.exists():
+        succeeds(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", shards))
+    before = tree(shards)
+    out = root / "shards_split_run"
+    shutil.rmtree(out, ignore_errors=True)
+    succeeds(main("distill", "--student", hybrid, "--data.source", shards, "--data.heldout_fraction", "0.3", *TRAIN,
+                  "--out", out))
+    report = json.loads((out / "report.json").read_text())
+    assert report["args"]["data"]["heldout_fraction"] == 0.5
+    state = json.loads(next((out / "checkpoints").glob("step_*/state.json")).read_text())
+    assert state["identity"]["data"]["heldout_fraction"] == 0.5
+    assert tree(shards) == before
