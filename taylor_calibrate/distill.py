@@ -467,7 +467,7 @@ def run_identity(student, trained: set[str], teacher: str | None, args: TrainArg
     return json.loads(json.dumps(ident, default=str))  # as it reads back from state.json
 
 
-_ADDED_LATER = ("teacher_hash",)  # identity keys checkpoints of older versions lack: not a difference
+_ADDED_LATER = ("teacher_hash", "rows")  # identity keys checkpoints of older versions lack: not a difference
 
 
 def identity_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -485,7 +485,8 @@ def identity_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
             elif k == "teacher_hash":
                 diffs.append(f"the teacher's weights ({a} then, {b} now: the model at that path changed)")
             else:
-                diffs.append(f"{prefix}{k}: {a!r} then, {b!r} now")
+                why = " (the corpus changed since)" if prefix.startswith("data.rows.") else ""
+                diffs.append(f"{prefix}{k}: {a!r} then, {b!r} now{why}")
     return diffs
 
 
@@ -765,7 +766,9 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     heldout = heldout[: heldout.shape[0] - heldout.shape[0] % ctx.world] if ctx.world > 1 else heldout
 
     trained = set(trainable_names(student, args.train))
-    identity = run_identity(student, trained, teacher_spec, args, {**(data or {}), "seq_len": seq})
+    shards = getattr(rows, "meta", None)  # the token counts tell a corpus changed at the same path since
+    rows_of = {"rows": {k: shards[k] for k in ("tokens", "documents")}} if shards else {}
+    identity = run_identity(student, trained, teacher_spec, args, {**(data or {}), **rows_of, "seq_len": seq})
     for n, p in student.named_parameters():
         p.requires_grad_(n in trained)
     teacher.requires_grad_(False).eval()

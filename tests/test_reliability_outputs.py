@@ -70,6 +70,24 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_over_with_the_same_com
     assert json.loads((d / "report.json").read_text())["resumed_from"] is None and (d / "model").is_dir()
 
 
+def test_resuming_after_the_corpus_changed_at_the_same_path_is_refused(ow):
+    """The run identity held the corpus's path, not what it holds: a document edited between a stop and the same
+    command again resumed on other rows (re-tokenised), and metrics.jsonl joined two held-out sets in one curve."""
+    root, teacher, corpus, hybrid, run = ow
+    c = copy_tree(corpus, root / "changing_corpus")
+    d = root / "changing_run"
+    shutil.rmtree(d, ignore_errors=True)
+    succeeds(main("distill", "--student", hybrid, "--data.source", c, *TRAIN, "--out", d))
+    (d / "report.json").unlink()
+    shutil.rmtree(d / "model")
+    (c / "doc03.txt").write_text("completely different words now " * 40)
+    before = tree(d)
+    fails(main("distill", "--student", hybrid, "--data.source", c, *TRAIN, "--out", d),
+          r"holds checkpoints of another run, which differs in: data\.rows\.tokens\.calib: \d+ then, \d+ now "
+          r"\(the corpus changed since\)", "pass a new --out")
+    assert tree(d) == before
+
+
 def test_overwrite_deletes_the_earlier_run_as_it_starts_so_a_crash_leaves_no_mix(ow):
     """With --overwrite true the earlier run's report.json, model/, metrics and checkpoints go as the run starts: a
     new run that fails midway (a diverging loss) leaves none of them beside its own files; one that finishes leaves
