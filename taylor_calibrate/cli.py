@@ -5,10 +5,12 @@ Flags and a YAML file (`--config run.yaml`, a dump of the same dataclass) both f
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import functools
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
@@ -46,7 +48,7 @@ COMMANDS = {
 @functools.cache  # building it reads every option's docstring: once per process
 def build_parser() -> ArgumentParser:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # field docstrings become --help
-    parser = ArgumentParser(prog="taylor-calibrate", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="taylor-calibrate", description=__doc__.splitlines()[0], exit_on_error=False)
     sub = parser.add_subcommands(dest="command")
     for name, (args_cls, fn) in COMMANDS.items():
         sub.add_subcommand(name, args_parser(args_cls, fn.__doc__), help=fn.__doc__)
@@ -107,6 +109,24 @@ def _terminated(signum, frame):
     raise Terminated
 
 
+_FORMS = {"list": "a list, written '[a, b]'", "int": "an integer", "float": "a number", "bool": "true or false",
+          "str": "a string"}
+
+
+def usage_error(e: argparse.ArgumentError, name: str | None) -> str:
+    """jsonargparse's message (a usage page, then "Parser key ...:" over two lines) as one line with the fix: the form
+    the option takes, else --help."""
+    text = " ".join(str(e).split())
+    help_ = f"see `taylor-calibrate {name + ' ' if name else ''}--help`"
+    m = re.fullmatch(r'Parser key "([^"]+)": (?:Expected a <class \'(\w+)\'>\. Got value|Does not validate against '
+                     r'any of the Union subtypes Subtypes: \[<class \'(\w+)\'>, <class \'NoneType\'>\].*Given value): '
+                     r'(.*)', text)
+    kind = m and (m[2] or m[3])
+    if kind in _FORMS:
+        return f"--{m[1]} {m[4]!r} is not {_FORMS[kind]} ({help_})"
+    return f"{text}; {help_}"
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "huggingface_hub", "filelock"):
@@ -123,13 +143,16 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "command", "") is None:  # results record the command line that made them
             args.command = "taylor-calibrate " + shlex.join(sys.argv[1:] if argv is None else argv)
         COMMANDS[name][1](args)
+    except argparse.ArgumentError as e:
+        print(f"taylor-calibrate {name or ''}: error: {usage_error(e, name)}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError, OSError, RuntimeError, ImportError) as e:
         print(f"taylor-calibrate {name or ''}: error: {describe(e, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         how = " (SIGTERM)" if isinstance(e, Terminated) else ""
-        print(f"taylor-calibrate {name or ''}: interrupted{how}; nothing half-written was kept (outputs appear whole or "
-              "not at all; distill resumes from its last checkpoint)", file=sys.stderr)
+        print(f"taylor-calibrate {name or ''}: interrupted{how}; nothing half-written was kept (outputs appear whole "
+              "or not at all; distill resumes from its last checkpoint)", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     return 0
 

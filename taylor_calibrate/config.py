@@ -724,7 +724,7 @@ class ExportArgs:
 
 def args_parser(args_cls, description: str | None = None) -> ArgumentParser:
     """The parser of one command's argument dataclass: its flags, and `--config FILE.yaml` with any of them."""
-    parser = ArgumentParser(description=description)
+    parser = ArgumentParser(description=description, exit_on_error=False)  # cli.main words its errors
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
     parser.add_class_arguments(args_cls, nested_key=None)
     return parser

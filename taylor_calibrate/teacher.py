@@ -289,8 +289,8 @@ def check_tokenizer_files(where: str, kw: dict) -> None:
     """A local checkpoint directory must hold tokenizer files: without them transformers' error is a page about
     sentencepiece and tiktoken instead of the missing file."""
     if os.path.isdir(where) and "gguf_file" not in kw and not any((Path(where) / f).exists() for f in _TOKENIZER_FILES):
-        raise FileNotFoundError(f"checkpoint directory {where!r} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}); "
-                                "copy them from the original checkpoint")
+        raise FileNotFoundError(f"checkpoint directory {where!r} has no tokenizer files (one of "
+                                f"{', '.join(_TOKENIZER_FILES)}); copy them from the original checkpoint")
 
 
 def _tokenizer(where: str, kw: dict):
