@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     name = next((w for w in words if w in COMMANDS), None)  # for the error line, before parsing succeeds
     args = None
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminated)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         check_config_files(words)
         name, args = parse(argv)
@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"taylor-calibrate {name or ''}: interrupted{how}; nothing half-written was kept (outputs appear whole "
               "or not at all; distill resumes from its last checkpoint)", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
+    finally:  # a caller of main() in-process (the tests) keeps its own handler
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_handler)
     return 0
 
 

@@ -404,3 +404,11 @@ def test_an_auto_map_of_a_known_architecture_loads_the_library_class(tw):
                                    "--out", root / "remote_eval"]))
     assert rc == 0, log[-2000:]
     assert "[y/N]" not in log and not marker.exists()
+
+
+def test_main_in_process_leaves_the_callers_sigterm_handler(tw):
+    """cli.main takes SIGTERM as a Ctrl-C while it runs; a caller in the same process gets its own handler back."""
+    root, teacher, corpus, hybrid = tw
+    before = signal.getsignal(signal.SIGTERM)
+    fails(main("convert", "--keep_every", "four", "--out", root / "sigterm_handler"), "is not an integer")
+    assert signal.getsignal(signal.SIGTERM) is before
