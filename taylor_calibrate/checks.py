@@ -57,10 +57,14 @@ _CACHE_COMMANDS = ("tokenize", "distill", "recovery", "tradeoff")  # the command
 def check_token_cache(option: str | None, inputs: dict[str, str | None]) -> None:
     """The token cache (`--data.token_cache`, else $TAYLOR_CALIBRATE_TOKEN_CACHE, else ~/.cache/...) may not be, or
     lie inside, an input directory: its entries and locks would be written into what the command reads (a corpus
-    whose files then change under it, a teacher's directory)."""
+    whose files then change under it, a teacher's directory). Nor may it be, or lie under, a file."""
     cache = token_cache_dir(option).expanduser().resolve()
     where = (f"--data.token_cache {option}" if option else f"${TOKEN_CACHE_ENV}={os.environ[TOKEN_CACHE_ENV]}"
              if os.environ.get(TOKEN_CACHE_ENV) else f"the token cache {cache}")
+    existing = next(p for p in (cache, *cache.parents) if p.exists())
+    if not existing.is_dir():  # else "[Errno 20] Not a directory: .../.locks" once the run needs the cache
+        what = "is a file" if existing == cache else f"lies under {existing}, which is a file"
+        raise NotADirectoryError(f"{where} {what}; pass --data.token_cache with a directory")
     for name, spec in inputs.items():
         src = _local(spec)
         if src is None or not (cache == src or (src.is_dir() and src in cache.parents)):
@@ -79,6 +83,8 @@ def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs:
     `command` and `overwrite` is off (None: the command has no --overwrite). With `lock`, the lock of `out`
     (`output_lock`) is taken into it before the last check, so a second run names the first instead. Returns the
     resolved path."""
+    if not str(out).strip():  # Path("") is the working directory, which would then be checked and written
+        raise ValueError(f"{flag} is empty; pass a directory path")
     raw = Path(out).expanduser()
     if raw.is_symlink() and not raw.exists():
         raise FileNotFoundError(f"{flag} {out} is a link to {os.readlink(raw)}, which does not exist; pass a directory "

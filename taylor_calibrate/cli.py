@@ -5,12 +5,16 @@ Flags and a YAML file (`--config run.yaml`, a dump of the same dataclass) both f
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import functools
 import logging
 import os
+import re
 import shlex
+import signal
 import sys
+import threading
 
 from jsonargparse import ArgumentParser, set_parsing_settings
 
@@ -44,7 +48,7 @@ COMMANDS = {
 @functools.cache  # building it reads every option's docstring: once per process
 def build_parser() -> ArgumentParser:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # field docstrings become --help
-    parser = ArgumentParser(prog="taylor-calibrate", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="taylor-calibrate", description=__doc__.splitlines()[0], exit_on_error=False)
     sub = parser.add_subcommands(dest="command")
     for name, (args_cls, fn) in COMMANDS.items():
         sub.add_subcommand(name, args_parser(args_cls, fn.__doc__), help=fn.__doc__)
@@ -60,7 +64,8 @@ def parse(argv: list[str] | None = None):
 
 
 def check_config_files(words: list[str]) -> None:
-    """A --config that names a pipe or device would block the parser for ever: refuse it (a YAML string is fine)."""
+    """A --config that names a pipe or device would block the parser for ever, and one that is not text fails in it
+    without naming the file: refuse both (a YAML string is fine)."""
     for i, w in enumerate(words):
         if w.startswith("--config="):
             value = w.split("=", 1)[1]
@@ -70,6 +75,13 @@ def check_config_files(words: list[str]) -> None:
             continue
         if os.path.exists(value) and not os.path.isfile(value):
             raise ValueError(f"--config {value} is not a regular file (a directory, pipe or device); pass a YAML file")
+        if os.path.isfile(value):
+            try:
+                with open(value, encoding="utf-8") as f:
+                    f.read()
+            except UnicodeDecodeError as e:  # the parser's own message names neither the file nor the option
+                raise ValueError(f"--config {value} is not UTF-8 text ({e.reason} at byte {e.start}); pass a YAML "
+                                 "file") from None
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -88,6 +100,33 @@ def describe(e: BaseException, args=None) -> str:
     return f"{e.strerror}{f': {where}' if where else ''}; fix the permissions there or pass another path"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a scheduler's time limit, `docker stop`) taken as a Ctrl-C: the same cleanup of staged outputs
+    and locks, and the same one line, where the default action would end the process on the spot."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
+
+
+_FORMS = {"list": "a list, written '[a, b]'", "int": "an integer", "float": "a number", "bool": "true or false",
+          "str": "a string"}
+
+
+def usage_error(e: argparse.ArgumentError, name: str | None) -> str:
+    """jsonargparse's message (a usage page, then "Parser key ...:" over two lines) as one line with the fix: the form
+    the option takes, else --help."""
+    text = " ".join(str(e).split())
+    help_ = f"see `taylor-calibrate {name + ' ' if name else ''}--help`"
+    m = re.fullmatch(r'Parser key "([^"]+)": (?:Expected a <class \'(\w+)\'>\. Got value|Does not validate against '
+                     r'any of the Union subtypes Subtypes: \[<class \'(\w+)\'>, <class \'NoneType\'>\].*Given value): '
+                     r'(.*)', text)
+    kind = m and (m[2] or m[3])
+    if kind in _FORMS:
+        return f"--{m[1]} {m[4]!r} is not {_FORMS[kind]} ({help_})"
+    return f"{text}; {help_}"
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "huggingface_hub", "filelock"):
@@ -95,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     name = next((w for w in words if w in COMMANDS), None)  # for the error line, before parsing succeeds
     args = None
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         check_config_files(words)
         name, args = parse(argv)
@@ -102,13 +143,20 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "command", "") is None:  # results record the command line that made them
             args.command = "taylor-calibrate " + shlex.join(sys.argv[1:] if argv is None else argv)
         COMMANDS[name][1](args)
+    except argparse.ArgumentError as e:
+        print(f"taylor-calibrate {name or ''}: error: {usage_error(e, name)}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError, OSError, RuntimeError, ImportError) as e:
         print(f"taylor-calibrate {name or ''}: error: {describe(e, args)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"taylor-calibrate {name or ''}: interrupted; nothing half-written was kept (outputs appear whole or "
-              "not at all; distill resumes from its last checkpoint)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how = " (SIGTERM)" if isinstance(e, Terminated) else ""
+        print(f"taylor-calibrate {name or ''}: interrupted{how}; nothing half-written was kept (outputs appear whole "
+              "or not at all; distill resumes from its last checkpoint)", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:  # a caller of main() in-process (the tests) keeps its own handler
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_handler)
     return 0
 
 

@@ -254,6 +254,15 @@ class NiahArgs:
                              f"({self.niah_samples}) and niah_new_tokens ({self.niah_new_tokens}) >= 1")
 
 
+def check_not_empty(args, *names: str) -> None:
+    """An experiment given an empty list of what to run (`--policies '[]'`) would load the teacher and then fail
+    deep inside, or write a results file with no rows: refused at parse, naming the option."""
+    for name in names:
+        if not getattr(args, name):
+            raise ValueError(f"--{name} is empty, so there is nothing to run; pass at least one (the default is "
+                             f"{[f.default_factory() for f in fields(args) if f.name == name][0]})")
+
+
 def check_batch(eval_batch_size: int) -> None:
     if eval_batch_size < 1:
         raise ValueError(f"--eval_batch_size {eval_batch_size} must be >= 1")
@@ -378,6 +387,10 @@ class AblateArgs(PipelineArgs):
     """Columns: layer policies (uniform, bypass, greedy, kl, layers=0,4,8)."""
     command: str | None = None
     """The command line to record in the results (for reproducibility)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_not_empty(self, "inits", "policies")
 
 
 @dataclass
@@ -650,6 +663,8 @@ class RecoveryArgs(PipelineArgs, NiahArgs):
         self.check_niah()
         if self.niah_points < 2:
             raise ValueError(f"niah_points={self.niah_points} must be >= 2 (start and end)")
+        if not self.extra:  # the --extra runs alone are an experiment; with none, a policy and an init are needed
+            check_not_empty(self, "policies", "inits")
 
 
 @dataclass
@@ -680,6 +695,7 @@ class TradeoffArgs(PipelineArgs, NiahArgs):
     def __post_init__(self):
         super().__post_init__()
         self.check_niah()
+        check_not_empty(self, "budgets", "policies")
         if not all(0 < b < 1 for b in [*self.budgets, self.seed_budget]):
             raise ValueError(f"budgets {self.budgets} and seed_budget {self.seed_budget} must be fractions in (0, 1)")
         if self.distill_tokens < 0 or not self.distill:
@@ -717,7 +733,7 @@ class ExportArgs:
 
 def args_parser(args_cls, description: str | None = None) -> ArgumentParser:
     """The parser of one command's argument dataclass: its flags, and `--config FILE.yaml` with any of them."""
-    parser = ArgumentParser(description=description)
+    parser = ArgumentParser(description=description, exit_on_error=False)  # cli.main words its errors
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
     parser.add_class_arguments(args_cls, nested_key=None)
     return parser

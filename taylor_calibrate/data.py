@@ -267,7 +267,13 @@ def _pick_split(dataset, spec: CorpusSpec, name: str):
 def _saved_dataset_documents(path: Path, spec: CorpusSpec) -> list[tuple[str, str]]:
     import datasets
 
-    rows = _pick_split(datasets.load_from_disk(str(path)), spec, str(path))
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except Exception as e:  # its JSON or Arrow files damaged: the reader's message names neither them nor the fix
+        raise ValueError(f"corpus {str(path)!r} holds {', '.join(m for m in _DATASET_MARKERS if (path / m).exists())} "
+                         f"as a datasets save_to_disk directory does, but datasets cannot read it ({type(e).__name__}: "
+                         f"{e}); save the dataset again (save_to_disk), or pass its text as .txt/.jsonl files") from e
+    rows = _pick_split(saved, spec, str(path))
     return _rows_documents(rows, spec.text_field, str(path))
 
 
@@ -776,6 +782,23 @@ def recall_rows(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed:
     return out
 
 
+_SPLIT_OPTIONS = {"text_field": str, "split": str, "heldout_fraction": float}  # fixed when shards are written
+
+
+def adopt_shard_split(spec, meta: dict, root: Path, main: bool = True) -> None:
+    """Token shards were split (and their documents read) once, by `tokenize`: a --data.heldout_fraction, text_field
+    or split given with them does not apply, and recording it in the run's results would describe rows it never
+    used. The shards' own values go into `spec`, with a warning where they differ."""
+    for name, kind in _SPLIT_OPTIONS.items():
+        value = meta.get(name)
+        if isinstance(value, kind) and value != getattr(spec, name):
+            if main:
+                log.warning("token shards %s were made with --data.%s %r: the %r given does not apply to them; the "
+                            "run uses and records %r (tokenise again to change it)", root, name, value,
+                            getattr(spec, name), value)
+            setattr(spec, name, value)
+
+
 def distill_data(spec, tokenizer, budget: int, *, main: bool = True,
                  barrier=None) -> tuple[TokenWindows, torch.Tensor]:
     """(training windows, held-out rows) for distillation: from `spec.source` when it is a token-shard directory,
@@ -783,9 +806,11 @@ def distill_data(spec, tokenizer, budget: int, *, main: bool = True,
     `barrier`). The held-out rows are the first spec.eval_seqs windows of the held-out side."""
     if is_token_dir(spec.source):
         root = Path(spec.source).expanduser()
-        if main and read_token_meta(root)["tokenizer"] != tokenizer_fingerprint(tokenizer):
+        meta = read_token_meta(root)
+        if main and meta["tokenizer"] != tokenizer_fingerprint(tokenizer):
             raise ValueError(f"token shards {root} were written with another tokenizer than the model's; run "
                              "`taylor-calibrate tokenize` with this model")
+        adopt_shard_split(spec, meta, root, main)
     else:
         root = cached_tokens(spec, tokenizer) if main else cache_entry(spec, tokenizer)
     if main:

@@ -467,7 +467,7 @@ def run_identity(student, trained: set[str], teacher: str | None, args: TrainArg
     return json.loads(json.dumps(ident, default=str))  # as it reads back from state.json
 
 
-_ADDED_LATER = ("teacher_hash",)  # identity keys checkpoints of older versions lack: not a difference
+_ADDED_LATER = ("teacher_hash", "rows")  # identity keys checkpoints of older versions lack: not a difference
 
 
 def identity_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -485,7 +485,8 @@ def identity_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
             elif k == "teacher_hash":
                 diffs.append(f"the teacher's weights ({a} then, {b} now: the model at that path changed)")
             else:
-                diffs.append(f"{prefix}{k}: {a!r} then, {b!r} now")
+                why = " (the corpus changed since)" if prefix.startswith("data.rows.") else ""
+                diffs.append(f"{prefix}{k}: {a!r} then, {b!r} now{why}")
     return diffs
 
 
@@ -533,10 +534,15 @@ START_OVER = ("pass a new --out, or --resume false --overwrite true to start ove
 
 def check_fresh_out(out: Path, resume: bool, overwrite: bool) -> None:
     """Before any work: a run that will start afresh in `out` (not `resume`, or no checkpoint there) over an earlier
-    run's output needs `overwrite` (that output is deleted as the run starts: `clear_run`). A user's file or folder of
-    a name the run writes is never replaced (`checks.check_out`, before this)."""
+    run's output needs `overwrite` (that output is deleted as the run starts: `clear_run`), unless that output is only
+    the metrics of a run stopped before its first checkpoint (nothing trained to lose). A user's file or folder of a
+    name the run writes is never replaced (`checks.check_out`, before this)."""
     if resume and any((out / CKPT_DIR).glob("step_*")):
         return  # resumed, or refused naming what differs (resume_checkpoint)
+    if resume and is_output_of(out, "distill") and not (out / REPORT).exists() and not (out / "model").exists():
+        log.info("%s holds only the metrics of a run stopped before its first checkpoint (nothing trained): the run "
+                 "starts over there", out)  # the same command again, after a Ctrl-C in the first steps
+        return
     if is_output_of(out, "distill") and not overwrite:
         why = "--resume false starts a new run there" if not resume else "it holds no checkpoint to resume from"
         raise FileExistsError(f"--out {out} holds an earlier distill run's output and {why}; pass --overwrite true "
@@ -760,7 +766,9 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     heldout = heldout[: heldout.shape[0] - heldout.shape[0] % ctx.world] if ctx.world > 1 else heldout
 
     trained = set(trainable_names(student, args.train))
-    identity = run_identity(student, trained, teacher_spec, args, {**(data or {}), "seq_len": seq})
+    shards = getattr(rows, "meta", None)  # the token counts tell a corpus changed at the same path since
+    rows_of = {"rows": {k: shards[k] for k in ("tokens", "documents")}} if shards else {}
+    identity = run_identity(student, trained, teacher_spec, args, {**(data or {}), **rows_of, "seq_len": seq})
     for n, p in student.named_parameters():
         p.requires_grad_(n in trained)
     teacher.requires_grad_(False).eval()

@@ -48,13 +48,12 @@ def parse_layer_list(text: str, num_layers: int) -> list[int]:
     kept: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         try:
-            if "-" in part:
-                a, b = (int(x) for x in part.split("-", 1))
-                kept.extend(range(a, b + 1))
-            else:
-                kept.append(int(part))
+            a, b = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part),) * 2
         except ValueError:
             raise ValueError(f"bad layer list entry {part!r} in {text!r}; use e.g. layers=0,4,8 or layers=0-3") from None
+        if a > b:  # range() would give no layer: a typo, not a request for none
+            raise ValueError(f"layer range {part!r} in {text!r} runs backwards; write it low-high, e.g. {b}-{a}")
+        kept.extend(range(a, b + 1))
     dup = sorted({i for i in kept if kept.count(i) > 1})
     if dup:
         raise ValueError(f"layer list {text!r} names layer(s) {dup} more than once")

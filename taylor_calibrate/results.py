@@ -199,6 +199,9 @@ def run_report(args: ReportArgs) -> str:
         result = json.loads(read_text(path, "pass a results JSON file"))  # a pipe would block the reader
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not JSON ({e}); pass a results JSON") from e
+    except RecursionError:  # a results file is a few levels deep; this one would also overflow `render`
+        raise ValueError(f"{path} nests JSON deeper than Python's recursion limit: it is not a results file; pass a "
+                         "results JSON") from None
     if not isinstance(result, dict):
         raise ValueError(f"{path} holds a JSON {type(result).__name__}, not a results object")
     wrong = [f"{k} is a {type(result[k]).__name__}" for k, kind in _PROVENANCE_TYPES.items()
@@ -206,7 +209,11 @@ def run_report(args: ReportArgs) -> str:
     if wrong:
         raise ValueError(f"{path} is not a results file as `record` writes it ({'; '.join(wrong)}): it is damaged; "
                          "run the command that wrote it again")
-    text = render(result, title=path.stem)
+    try:
+        text = render(result, title=path.stem)
+    except RecursionError:
+        raise ValueError(f"{path} nests JSON too deep to render: it is not a results file; pass a results JSON") \
+            from None
     if args.out is None:
         print(text, end="")
         return text

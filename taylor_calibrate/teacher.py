@@ -285,6 +285,14 @@ def with_gguf_split(tokenizer, path: str | Path):
     return tokenizer
 
 
+def check_tokenizer_files(where: str, kw: dict) -> None:
+    """A local checkpoint directory must hold tokenizer files: without them transformers' error is a page about
+    sentencepiece and tiktoken instead of the missing file."""
+    if os.path.isdir(where) and "gguf_file" not in kw and not any((Path(where) / f).exists() for f in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"checkpoint directory {where!r} has no tokenizer files (one of "
+                                f"{', '.join(_TOKENIZER_FILES)}); copy them from the original checkpoint")
+
+
 def _tokenizer(where: str, kw: dict):
     tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False, **kw)
     return with_gguf_split(tokenizer, Path(where) / kw["gguf_file"]) if "gguf_file" in kw else tokenizer
@@ -295,6 +303,7 @@ def load_tokenizer(spec: str = DEFAULT_TEACHER):
     from taylor_calibrate.checkpoint import tokenizer_error
 
     where, kw = _locate(spec)
+    check_tokenizer_files(where, kw)
     try:
         return _tokenizer(where, kw)
     except Exception as e:  # a damaged tokenizer file surfaces as whatever its reader meets
@@ -305,6 +314,7 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
                  attn_implementation: str = "sdpa") -> Teacher:
     """Load a supported causal LM and its tokenizer, frozen, in eval mode."""
     from taylor_calibrate.checkpoint import check_loaded
+    from taylor_calibrate.model.loading import check_tokenizer_fits
 
     where, kw = _locate(spec)
     local = os.path.isdir(where)
@@ -332,9 +342,7 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
                       f"reachable (or the id is wrong). Download it elsewhere and pass the local directory. ({e})") from e
     hybrid_gguf = "gguf_file" in kw and config.model_type in _HYBRIDS  # its metadata may name its teacher
     check_architecture(config, spec, gguf_architecture(Path(where) / kw["gguf_file"])[1] if hybrid_gguf else None)
-    if local and "gguf_file" not in kw and not any((Path(where) / f).exists() for f in _TOKENIZER_FILES):
-        raise FileNotFoundError(f"teacher directory {where!r} has no tokenizer files (one of "
-                                f"{', '.join(_TOKENIZER_FILES)}); copy them from the original checkpoint")
+    check_tokenizer_files(where, kw)
     log.info("loading teacher %s (%s)", spec, config.model_type)
     try:
         # the config read above goes in, so a GGUF file's metadata is parsed once less (seconds per parse)
@@ -351,5 +359,6 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
         raise ValueError(f"could not load teacher {spec!r} ({type(e).__name__}: {e}); check that its files are "
                          "complete (download them again)") from e
     check_loaded(spec, info, "restore the teacher's weights from the original checkpoint")
+    check_tokenizer_fits(spec, model, tokenizer, "copy the tokenizer files of the teacher's own checkpoint beside it")
     model.to(device).eval().requires_grad_(False)
     return Teacher(model=model, tokenizer=tokenizer, name=spec)

@@ -69,20 +69,23 @@ def test_a_full_disk_while_distill_checkpoints_is_one_line_and_leaves_nothing(fw
     assert not list((out / "checkpoints").glob("*")) if (out / "checkpoints").exists() else True
 
 
-def test_ctrl_c_is_one_line_and_exit_130(fw):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_and_sigterm_are_one_line(fw, sig, code):
+    """A SIGTERM (`kill`, a scheduler's time limit) ended the process on the spot: no line, and no cleanup of what a
+    run had staged. Both signals now end in one line and leave nothing."""
     root, teacher, corpus, hybrid = fw
-    out = root / "interrupted"
+    out = root / f"interrupted_{sig.name}"
     p = subprocess.Popen(_cmd(["convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", out]),
                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = ""
     deadline = time.time() + 300
     while "loading teacher" not in log and time.time() < deadline:
         log += p.stdout.readline()
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     log += p.stdout.read()
-    assert p.wait() == 130, log[-2000:]
+    assert p.wait() == code, log[-2000:]
     assert "Traceback" not in log and "interrupted" in log
-    assert not out.exists() and not [q for q in root.iterdir() if q.name.startswith(".interrupted")]
+    assert not out.exists() and not [q for q in root.iterdir() if q.name.startswith(f".{out.name}")]
 
 
 def test_ctrl_c_while_the_cli_is_still_importing_is_one_line():

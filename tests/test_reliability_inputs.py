@@ -313,6 +313,27 @@ def test_non_finite_list_option_is_refused(tw):
     fails(main("tradeoff", "--teacher", teacher, "--budgets", "[0.25, .nan]", "--out", root / "nan_t"), "nan")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--niah_lengths", "64,128"], r"--niah_lengths '64,128' is not a list, written '\[a, b\]'"),
+    (["convert", "--keep_every", "four"], "--keep_every 'four' is not an integer"),
+    (["convert", "--data.seq_len", "1.5"], "--data.seq_len '1.5' is not an integer"),
+    (["convert", "--kv_budget", "half"], "--kv_budget 'half' is not a number"),
+    (["convert", "--align", "maybe"], "--align 'maybe' is not true or false"),
+    (["convert", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
+    (["convert", "--config", "wrong_type.yaml"], "--keep_every 'four' is not an integer"),
+])
+def test_an_option_of_the_wrong_form_is_one_line_with_the_form(tw, argv, message):
+    """jsonargparse printed its usage page, then "error: Parser key "niah_lengths":" with the reason on the next
+    line, and no word of how a list is written."""
+    root, teacher, corpus, hybrid = tw
+    (root / "wrong_type.yaml").write_text("keep_every: four\n")
+    argv = [str(root / a) if a.endswith(".yaml") else a for a in argv]
+    rc, out = main(*argv, "--out", root / "wrong_form")
+    fails((rc, out), message, f"see `taylor-calibrate {argv[0]} --help`")
+    assert out.strip().count("\n") == 0, out  # no usage page above it
+    assert not (root / "wrong_form").exists()
+
+
 # --- no remote code --------------------------------------------------------------------------------------------
 def _remote_code_dir(root: Path, teacher: Path, model_type: str) -> tuple[Path, Path]:
     """A copy of the teacher whose config and tokenizer config name code of the directory (auto_map); importing it
@@ -383,3 +404,11 @@ def test_an_auto_map_of_a_known_architecture_loads_the_library_class(tw):
                                    "--out", root / "remote_eval"]))
     assert rc == 0, log[-2000:]
     assert "[y/N]" not in log and not marker.exists()
+
+
+def test_main_in_process_leaves_the_callers_sigterm_handler(tw):
+    """cli.main takes SIGTERM as a Ctrl-C while it runs; a caller in the same process gets its own handler back."""
+    root, teacher, corpus, hybrid = tw
+    before = signal.getsignal(signal.SIGTERM)
+    fails(main("convert", "--keep_every", "four", "--out", root / "sigterm_handler"), "is not an integer")
+    assert signal.getsignal(signal.SIGTERM) is before

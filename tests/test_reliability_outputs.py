@@ -53,6 +53,41 @@ def test_a_new_run_over_a_finished_one_needs_overwrite(ow, case):
     assert tree(d) == before
 
 
+def test_a_run_stopped_before_its_first_checkpoint_starts_over_with_the_same_command(ow):
+    """Ctrl-C in a run's first steps left only its step-0 metrics; the same command again (which the interrupt line
+    says resumes) was refused: "holds no checkpoint to resume from; pass --overwrite true". Nothing trained is lost by
+    starting over, so it does; one run's records result."""
+    root = ow[0]
+    d = copy_tree(ow[4], root / "stopped_early")
+    shutil.rmtree(d / "checkpoints")
+    shutil.rmtree(d / "model")
+    (d / "report.json").unlink()
+    first = (d / "metrics.jsonl").read_text().splitlines()[0]
+    (d / "metrics.jsonl").write_text(first + "\n")
+    succeeds(_distill(ow, d))
+    steps = [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps.count(0) == 1, steps
+    assert json.loads((d / "report.json").read_text())["resumed_from"] is None and (d / "model").is_dir()
+
+
+def test_resuming_after_the_corpus_changed_at_the_same_path_is_refused(ow):
+    """The run identity held the corpus's path, not what it holds: a document edited between a stop and the same
+    command again resumed on other rows (re-tokenised), and metrics.jsonl joined two held-out sets in one curve."""
+    root, teacher, corpus, hybrid, run = ow
+    c = copy_tree(corpus, root / "changing_corpus")
+    d = root / "changing_run"
+    shutil.rmtree(d, ignore_errors=True)
+    succeeds(main("distill", "--student", hybrid, "--data.source", c, *TRAIN, "--out", d))
+    (d / "report.json").unlink()
+    shutil.rmtree(d / "model")
+    (c / "doc03.txt").write_text("completely different words now " * 40)
+    before = tree(d)
+    fails(main("distill", "--student", hybrid, "--data.source", c, *TRAIN, "--out", d),
+          r"holds checkpoints of another run, which differs in: data\.rows\.tokens\.calib: \d+ then, \d+ now "
+          r"\(the corpus changed since\)", "pass a new --out")
+    assert tree(d) == before
+
+
 def test_overwrite_deletes_the_earlier_run_as_it_starts_so_a_crash_leaves_no_mix(ow):
     """With --overwrite true the earlier run's report.json, model/, metrics and checkpoints go as the run starts: a
     new run that fails midway (a diverging loss) leaves none of them beside its own files; one that finishes leaves

@@ -455,3 +455,167 @@ def test_a_lock_file_that_is_not_a_file_is_named(rw, kind):
     fails(main("tokenize", "--model", teacher, "--data.source", corpus, "--out", d / "out"),
           r"the lock file .*\.out\.lock of --out .* is not a regular file", "remove it", "another --out")
     assert not (d / "out").exists() and (lock.is_dir() if kind == "directory" else lock.exists())
+
+
+# --- fourth sweep: inputs a new user would hit --------------------------------------------------------------------
+def _small_vocab_teacher(root: Path, teacher: Path) -> Path:
+    """A teacher whose config and weights have 100 embedding rows beside the 300-token tokenizer of `teacher`."""
+    import torch
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t = root / "small_vocab_teacher"
+    if not t.exists():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=100)).save_pretrained(t)
+        AutoTokenizer.from_pretrained(teacher).save_pretrained(t)
+    return t
+
+
+def test_a_tokenizer_beyond_the_teachers_embedding_is_named(rw):
+    """A teacher whose tokenizer gives ids past its embedding rows was an IndexError from torch.embedding at the first
+    batch (on a GPU, a device-side assert)."""
+    root, teacher, corpus, hybrid, _ = rw
+    t = _small_vocab_teacher(root, teacher)
+    before = tree(t)
+    out = root / "small_vocab_out"
+    fails(main("convert", "--teacher", t, "--data.source", corpus, *SMALL, "--out", out),
+          "small_vocab_teacher: the tokenizer gives ids up to 299, but the model's embedding has 100 rows",
+          "belong to another model", "copy the tokenizer files of the teacher's own checkpoint")
+    assert tree(t) == before and not out.exists()
+
+
+def test_a_hybrid_whose_tokenizer_outgrew_its_embedding_is_named(rw):
+    from transformers import AutoTokenizer
+
+    root, teacher, corpus, hybrid, _ = rw
+    h = copy_tree(hybrid, root / "grown_tokenizer")
+    tok = AutoTokenizer.from_pretrained(h)
+    tok.add_tokens([f"<extra{i}>" for i in range(8)])
+    tok.save_pretrained(h)
+    before = tree(h)
+    fails(main("eval", "--model", h, "--data.source", corpus, *EVAL, "--out", root / "grown_eval"),
+          "grown_tokenizer: the tokenizer gives ids up to 307, but the model's embedding has 300 rows",
+          "copy them again from the teacher")
+    assert tree(h) == before and not (root / "grown_eval").exists()
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["ablate", "--policies", "[]"], "--policies"),
+    (["ablate", "--inits", "[]"], "--inits"),
+    (["tradeoff", "--budgets", "[]"], "--budgets"),
+    (["tradeoff", "--policies", "[]"], "--policies"),
+    (["recovery", "--policies", "[]", "--extra", "[]"], "--policies"),
+])
+def test_an_empty_list_of_what_to_run_is_refused_at_parse(rw, argv, flag):
+    """`ablate --policies '[]'` loaded the teacher and failed with "align_layers: no mixers given"; an empty
+    `--budgets` ran nothing and wrote a table of no rows. Refused at parse, naming the option."""
+    root, teacher, corpus, hybrid, _ = rw
+    out = root / f"empty_{argv[0]}"
+    fails(main(*argv, "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", out),
+          f"{flag} is empty, so there is nothing to run", "pass at least one")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["convert", "--policy", "layers=3-1"], "layer range '3-1' in '3-1' runs backwards; write it low-high, e.g. 1-3"),
+    (["damage", "--sets", '["3-1"]'], "layer range '3-1' in '3-1' runs backwards"),
+    (["damage", "--sets", '["0", ","]'], r"holds a set naming no layer \(','\)"),
+])
+def test_a_layer_list_that_names_no_layer_is_refused(rw, argv, message):
+    """`layers=3-1` was range(3, 2): no layer, so convert converted every layer and damage wrote a row for a set that
+    converts nothing, as if free."""
+    root, teacher, corpus, hybrid, _ = rw
+    out = root / f"no_layer_{argv[0]}"
+    fails(main(*argv, "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", out), message)
+    assert not out.exists()
+
+
+def test_tokenize_with_a_model_without_tokenizer_files_names_them(rw):
+    """It was "Couldn't instantiate the backend tokenizer from one of: ..." over several lines, naming no file."""
+    root, teacher, corpus, hybrid, _ = rw
+    h = copy_tree(hybrid, root / "no_tokenizer")
+    for f in h.glob("tokenizer*"):
+        f.unlink()
+    before = tree(h)
+    fails(main("tokenize", "--model", h, "--data.source", corpus, "--out", root / "no_tokenizer_tokens"),
+          "no_tokenizer' has no tokenizer files", "copy them from the original checkpoint")
+    assert tree(h) == before and not (root / "no_tokenizer_tokens").exists()
+
+
+def test_an_empty_out_is_refused_not_taken_for_the_working_directory(rw, monkeypatch):
+    """`--out ''` was the working directory: "--out  holds the --model directory" where that held the teacher, and
+    elsewhere a write into the directory the user stood in."""
+    root, teacher, corpus, hybrid, _ = rw
+    here = root / "cwd_empty_out"
+    here.mkdir(exist_ok=True)
+    monkeypatch.chdir(here)
+    fails(main("tokenize", "--model", teacher, "--data.source", corpus, "--out", ""), "--out is empty",
+          "pass a directory path")
+    assert list(here.iterdir()) == []
+
+
+def test_a_config_file_that_is_not_text_is_named(rw):
+    """A binary --config was "'utf-8' codec can't decode byte 0xff in position 0", naming neither file nor flag."""
+    root, teacher, corpus, hybrid, _ = rw
+    cfg = root / "binary.yaml"
+    cfg.write_bytes(b"\xff\xfe\x00garbage\x81")
+    fails(main("convert", "--config", cfg, "--teacher", teacher, "--data.source", corpus, "--out", root / "bin_cfg"),
+          r"--config .*binary\.yaml is not UTF-8 text", "pass a YAML file")
+    assert not (root / "bin_cfg").exists()
+
+
+def test_report_of_json_nested_too_deep_is_one_line(rw):
+    """It was "maximum recursion depth exceeded while decoding a JSON object from a unicode string", naming no file."""
+    root = rw[0]
+    f = root / "deep.json"
+    f.write_text('{"a":' * 5000 + "1" + "}" * 5000)
+    fails(main("report", "--file", f), r"deep\.json nests JSON deeper than Python's recursion limit",
+          "pass a results JSON")
+
+
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_a_token_cache_that_is_a_file_is_named(rw, where):
+    """It was "[Errno 20] Not a directory: '<cache>/.locks'" once the run needed the cache, naming no option."""
+    root, teacher, corpus, hybrid, _ = rw
+    f = root / "cache_file"
+    f.write_text("mine\n")
+    cache = f if where == "file" else f / "tokens"
+    what = "is a file" if where == "file" else "lies under .*cache_file, which is a file"
+    fails(main("tokenize", "--model", teacher, "--data.source", corpus, "--data.token_cache", cache, "--out",
+               root / f"cache_{where}_out"), f"--data.token_cache .*{what}", "pass --data.token_cache with a directory")
+    assert f.read_text() == "mine\n" and not (root / f"cache_{where}_out").exists()
+
+
+def test_a_damaged_save_to_disk_corpus_is_named(rw):
+    """A directory with save_to_disk's marker files that datasets cannot read was the bare "Expecting property name
+    enclosed in double quotes: line 1 column 2 (char 1)"."""
+    root, teacher, corpus, hybrid, _ = rw
+    ds = root / "damaged_dataset"
+    ds.mkdir(exist_ok=True)
+    (ds / "dataset_info.json").write_text("{}")
+    (ds / "state.json").write_text("{garbage")
+    before = tree(ds)
+    fails(main("tokenize", "--model", teacher, "--data.source", ds, "--out", root / "damaged_dataset_out"),
+          r"damaged_dataset' holds dataset_info\.json, state\.json as a datasets save_to_disk directory does, but "
+          "datasets cannot read it", "save the dataset again")
+    assert tree(ds) == before and not (root / "damaged_dataset_out").exists()
+
+
+def test_distill_on_token_shards_uses_and_records_their_split(rw):
+    """Shards split at heldout_fraction 0.5, distilled with --data.heldout_fraction 0.3: the option was ignored but
+    recorded in report.json (and the run identity), describing rows the run never used."""
+    root, teacher, corpus, hybrid, _ = rw
+    shards = root / "shards_split"
+    if not shards.exists():
+        succeeds(main("tokenize", "--model", hybrid, "--data.source", corpus, "--out", shards))
+    before = tree(shards)
+    out = root / "shards_split_run"
+    shutil.rmtree(out, ignore_errors=True)
+    succeeds(main("distill", "--student", hybrid, "--data.source", shards, "--data.heldout_fraction", "0.3", *TRAIN,
+                  "--out", out))
+    report = json.loads((out / "report.json").read_text())
+    assert report["args"]["data"]["heldout_fraction"] == 0.5
+    state = json.loads(next((out / "checkpoints").glob("step_*/state.json")).read_text())
+    assert state["identity"]["data"]["heldout_fraction"] == 0.5
+    assert tree(shards) == before

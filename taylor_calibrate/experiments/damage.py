@@ -83,6 +83,9 @@ def run_damage(args: DamageArgs) -> dict:
     model, cfg = teacher.model, teacher.model.config
     n = cfg.num_hidden_layers
     sets = [parse_layer_list(s, n) for s in args.sets] or [[i] for i in range(n)]
+    if [] in sets:  # a row that converts nothing would read as a free conversion
+        raise ValueError(f"--sets {args.sets} holds a set naming no layer ({args.sets[sets.index([])]!r}); give each "
+                         "set one or more layers, e.g. '[\"5\", \"0-3\"]'")
     converted = sorted({i for s in sets for i in s})
     d = args.data
     splits = load_splits(d, teacher.tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs)

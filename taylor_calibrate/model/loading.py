@@ -45,6 +45,19 @@ def check_loaded(path, info: dict, fix: str, unexpected: bool = False) -> None:
                          f"incomplete or mixes two models; {fix}")
 
 
+def check_tokenizer_fits(path, model, tokenizer, fix: str) -> None:
+    """Every id the tokenizer can give must be a row of the model's embedding: a larger id would fail deep inside
+    torch (an index error) at the first batch that holds it, or silently read past the table on a GPU."""
+    if tokenizer is None:
+        return
+    rows = model.get_input_embeddings().num_embeddings
+    top = max(tokenizer.get_vocab().values(), default=-1)
+    if top >= rows:
+        raise ValueError(f"{path}: the tokenizer gives ids up to {top}, but the model's embedding has {rows} rows "
+                         f"(config.json vocab_size {model.config.get_text_config().vocab_size}): the tokenizer files "
+                         f"belong to another model; {fix}")
+
+
 def check_report(path, config) -> None:
     """A convert output's report.json must describe the model its config.json describes (and be a report at all)."""
     report = Path(path) / REPORT
