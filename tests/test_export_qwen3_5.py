@@ -146,7 +146,9 @@ def local_teacher(root, arch):
     from conftest import VOCAB, tiny_corpus, tiny_tokenizer
     corpus = tiny_corpus(root / "corpus")
     tokenizer = tiny_tokenizer([p.read_text() for p in sorted(corpus.iterdir())])
-    teacher = tiny_teacher(arch, vocab_size=VOCAB, initializer_range=0.1)
+    # an embedding padded past the tokenizer, as real checkpoints have (transformers' Qwen2Tokenizer adds
+    # <|endoftext|> at id VOCAB to a tokenizer.json that lacks it)
+    teacher = tiny_teacher(arch, vocab_size=VOCAB + 4, initializer_range=0.1)
     teacher.save_pretrained(root / "teacher")
     tokenizer.save_pretrained(root / "teacher")
     return root / "teacher", corpus
