@@ -195,13 +195,13 @@ def run_report(args: ReportArgs) -> str:
     path = Path(args.file)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass a results JSON written by a subcommand or benchmark")
+    too_deep = f"{path} nests JSON deeper than Python's recursion limit: it is not a results file; pass a results JSON"
     try:
         result = json.loads(read_text(path, "pass a results JSON file"))  # a pipe would block the reader
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not JSON ({e}); pass a results JSON") from e
-    except RecursionError:  # a results file is a few levels deep; this one would also overflow `render`
-        raise ValueError(f"{path} nests JSON deeper than Python's recursion limit: it is not a results file; pass a "
-                         "results JSON") from None
+    except RecursionError:  # a results file is a few levels deep
+        raise ValueError(too_deep) from None
     if not isinstance(result, dict):
         raise ValueError(f"{path} holds a JSON {type(result).__name__}, not a results object")
     wrong = [f"{k} is a {type(result[k]).__name__}" for k, kind in _PROVENANCE_TYPES.items()
@@ -212,8 +212,7 @@ def run_report(args: ReportArgs) -> str:
     try:
         text = render(result, title=path.stem)
     except RecursionError:
-        raise ValueError(f"{path} nests JSON too deep to render: it is not a results file; pass a results JSON") \
-            from None
+        raise ValueError(too_deep) from None
     if args.out is None:
         print(text, end="")
         return text

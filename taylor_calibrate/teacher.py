@@ -311,8 +311,9 @@ def load_tokenizer(spec: str = DEFAULT_TEACHER):
 
 
 def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 attn_implementation: str = "sdpa") -> Teacher:
-    """Load a supported causal LM and its tokenizer, frozen, in eval mode."""
+                 attn_implementation: str = "sdpa", tokenizer=None) -> Teacher:
+    """Load a supported causal LM and its tokenizer, frozen, in eval mode. `tokenizer`: the one `load_tokenizer(spec)`
+    already gave (a command that checked its inputs with it first), so it is not read twice."""
     from taylor_calibrate.checkpoint import check_loaded
     from taylor_calibrate.model.loading import check_tokenizer_fits
 
@@ -350,7 +351,7 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
                                                            attn_implementation=attn_implementation,
                                                            output_loading_info=True,
                                                            trust_remote_code=False, **kw)
-        tokenizer = _tokenizer(where, kw)
+        tokenizer = tokenizer or _tokenizer(where, kw)
     except Exception as e:  # a damaged file surfaces as whatever the reader of that format raises
         from taylor_calibrate.checkpoint import unreadable
 

@@ -443,11 +443,12 @@ def run_recovery(args: RecoveryArgs) -> dict:
     apply_train_profile(args.train, profile)
     train_backend = training_backend(backend, args.backend, True)
     out = Path(args.out)
+    tokenizer = load_tokenizer(args.teacher) if args.niah else None
     if args.niah:
-        check_lengths(load_tokenizer(args.teacher), args.niah_tasks, args.niah_lengths, args.niah_new_tokens)
+        check_lengths(tokenizer, args.niah_tasks, args.niah_lengths, args.niah_new_tokens)
     if ctx.main:
         check_same_experiment(out, args)
-    teacher = load_teacher(args.teacher, device, dtype)
+    teacher = load_teacher(args.teacher, device, dtype, tokenizer=tokenizer)
     model, tokenizer = teacher.model, teacher.tokenizer
     d = args.data
     train_rows, heldout = distill_data(d, tokenizer, args.train.tokens, main=ctx.main,

@@ -175,8 +175,9 @@ def run_tradeoff(args: TradeoffArgs) -> dict:
     t0 = time.perf_counter()
     out = Path(args.out)
     device = resolve_device(args.device)
-    check_lengths(load_tokenizer(args.teacher), args.niah_tasks, args.niah_lengths, args.niah_new_tokens)
-    teacher = load_teacher(args.teacher, device, resolve_dtype(args.dtype, device))
+    tokenizer = load_tokenizer(args.teacher)
+    check_lengths(tokenizer, args.niah_tasks, args.niah_lengths, args.niah_new_tokens)
+    teacher = load_teacher(args.teacher, device, resolve_dtype(args.dtype, device), tokenizer=tokenizer)
     tok = teacher.tokenizer
     base = convert_args_of(args)
     apply_profile(base, device.type)
