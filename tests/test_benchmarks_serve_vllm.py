@@ -1,0 +1,78 @@
+"""benchmarks/serve_vllm.py's parts that run without vLLM (the run itself needs vllm on a CUDA GPU): the teacher's HF
+copy that vLLM loads, the generated plugin distribution that makes vLLM's processes register the text-only Qwen3.5
+class, the one-line refusal without vllm, and the agreement count."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_benchmark
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_teacher_hf_is_the_teacher_as_load_teacher_reads_it(tmp_path):
+    """The embedded GGUF teacher (a model transformers refuses to save_pretrained: it carries its GGUF quantizer)
+    saved as a plain HF directory: transformers gives the same bf16 logits from it, and its tokenizer the same ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from taylor_calibrate.teacher import embedded_teacher_path, load_teacher
+
+    try:
+        embedded_teacher_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    torch.set_num_threads(1)
+    out = load_benchmark("serve_vllm").teacher_hf("smollm2-135m", tmp_path / "teacher_hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
+    assert "quantization_config" not in config
+    teacher = load_teacher("smollm2-135m", dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    text = "def add(a, b):\n    return a + b  # café\n\tx = [1, 2]"
+    ids = AutoTokenizer.from_pretrained(out)(text).input_ids
+    assert ids == teacher.tokenizer(text).input_ids
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor([ids])).logits, teacher.model(torch.tensor([ids])).logits)
+
+
+def test_plugin_distribution_names_register_for_vllm(tmp_path):
+    """In a fresh interpreter with the generated folder and benchmarks/ on PYTHONPATH (as the engine processes get
+    them), importlib.metadata finds one vllm.general_plugins entry point, and loading it imports serve_vllm's
+    register without importing vllm."""
+    mod = load_benchmark("serve_vllm")
+    root = mod.write_plugin(tmp_path / "plugin")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(BENCHMARKS)])}
+    code = ("import importlib.metadata as m, sys; eps = m.entry_points(group='vllm.general_plugins'); "
+            f"ep = [e for e in eps if e.name == {mod.PLUGIN_NAME!r}]; f = ep[0].load(); "
+            "print(len(ep), ep[0].value, f.__name__, 'vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["1", "serve_vllm:register", "register", "False"]
+    assert mod.engine_env(root)["PYTHONPATH"].split(os.pathsep)[:2] == [str(root), str(BENCHMARKS)]
+    assert mod.engine_env(root)["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_run_without_vllm_is_one_line(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        load_benchmark("serve_vllm").main(["run", "--hybrid", str(tmp_path), "--teacher", str(tmp_path),
+                                           "--out", str(tmp_path / "x.json")])
+    assert str(e.value).startswith("serve_vllm: vllm is not installed") and "\n" not in str(e.value)
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_grid_cells_and_agreement():
+    mod = load_benchmark("serve_vllm")
+    assert mod.cells("4096x1,8000x32") == [(4096, 1), (8000, 32)]
+    for bad in ("4096", "4096x0", "ax1", "4096x1x2"):
+        with pytest.raises(SystemExit, match="PROMPTxSEQUENCES"):
+            mod.cells(bad)
+    got = mod.agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
+    assert got["fraction"] == 7 / 8 and got["identical_prompts"] == 1
+    assert [p["first_divergence"] for p in got["prompts"]] == [2, None]
+    assert mod.agreement([[1, 2]], [[1, 2, 3]])["prompts"][0]["first_divergence"] == 2  # a short continuation
