@@ -594,6 +594,64 @@ def run_bytes(a) -> None:
     record(a.out, result, a, command=a.command)
 
 
+# ------------------------------------------------------------------------------------------------------- probe
+
+def layer_pattern_gguf(src: Path, out: Path, attention: list[bool]) -> None:
+    """A speed probe: the hybrid GGUF `src` rewritten with another layer pattern (`attention[i]`: layer i attention),
+    each layer's mixer tensors copied from the first layer of that kind in `src`. The weights mean nothing; the
+    graph is llama.cpp's qwen35 at that pattern, so decode and prefill times say what each kind of layer costs."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    arch = "qwen35"
+    key = f"{arch}.attention.recurrent_layers"
+    recurrent = list(r.fields[key].contents())
+    donor = {kind: recurrent.index(kind) for kind in (True, False)}  # first GDN layer, first attention layer
+    w = gguf.GGUFWriter(str(out), arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if name == key:
+            w.add_key_value(name, [not a for a in attention], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)
+            continue
+        vtype = f.types[0]
+        sub = f.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), vtype, sub)
+    tensors = {t.name: t for t in r.tensors}
+    mixer = {True: set(), False: set()}  # per-layer tensor suffixes of each kind (norms and MLP are in every layer)
+    for t in r.tensors:
+        m = re.match(r"blk\.(\d+)\.(.+)$", t.name)
+        if m:
+            mixer[recurrent[int(m.group(1))]].add(m.group(2))
+    shared = mixer[True] & mixer[False]
+    for t in r.tensors:
+        m = re.match(r"blk\.(\d+)\.(.+)$", t.name)
+        if m and m.group(2) not in shared:
+            continue
+        w.add_tensor(t.name, t.data, raw_shape=None, raw_dtype=t.tensor_type)
+    for i, is_attn in enumerate(attention):
+        kind = not is_attn
+        for suffix in sorted(mixer[kind] - shared):
+            t = tensors[f"blk.{donor[kind]}.{suffix}"]
+            w.add_tensor(f"blk.{i}.{suffix}", t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def run_probe(a) -> None:
+    src, out = Path(a.gguf), Path(a.out)
+    n = len(__import__("gguf").GGUFReader(str(src)).fields["qwen35.attention.recurrent_layers"].contents())
+    attention = {"all": [True] * n, "none": [False] * n}.get(a.attention)
+    if attention is None:
+        kept = {int(i) for i in a.attention.split(",")}
+        attention = [i in kept for i in range(n)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    layer_pattern_gguf(src, out, attention)
+    print(f"{out}: {sum(attention)} attention + {n - sum(attention)} GDN layers (speed probe; weights copied)")
+
+
 def _text_options(parser) -> None:
     """The held-out text and how llama-perplexity cuts it, as both steps that score it take them."""
     parser.add_argument("--text_bytes", type=int, default=400_000)
@@ -656,8 +714,13 @@ def main(argv=None) -> None:
     b.add_argument("--engine_version", default="")
     b.add_argument("--convert_command", default="")
     b.add_argument("--command", default=None, help="the command lines that produced the inputs, for the record")
+    pr = sub.add_parser("probe")
+    pr.add_argument("--gguf", required=True, help="a hybrid's qwen35 GGUF (export --format gguf)")
+    pr.add_argument("--attention", required=True, help='"all", "none", or the attention layers, comma-separated')
+    pr.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    {"prepare": run_prepare, "device": run_device, "collect": run_collect, "bytes": run_bytes}[a.step](a)
+    {"prepare": run_prepare, "device": run_device, "collect": run_collect, "bytes": run_bytes,
+     "probe": run_probe}[a.step](a)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,33 @@ def test_memory_lines_and_graph_splits_are_read_from_llama_cpp_log():
     assert got["mem_bytes"] == int((19.12 + 3.85) * 2 ** 20)
     assert (got["graph_nodes"], got["graph_splits"]) == (1801, 50)
     assert load_benchmark("serve_llamacpp").memory_bytes("")["graph_splits"] is None
+
+
+@pytest.mark.parametrize("attention", ["all", "none", "1"])
+def test_probe_rewrites_the_layer_pattern_with_each_kinds_tensors(tmp_path, attention):
+    """`probe` (speed probes of llama.cpp's qwen35 graph): the GGUF's recurrent_layers follows the asked pattern, each
+    layer holds exactly the mixer tensors of its kind, copied from the first layer of that kind, and everything else
+    (metadata, norms, MLPs, embeddings) is the source's."""
+    import gguf
+
+    mod = load_benchmark("serve_llamacpp")
+    _, hybrid = saved_hybrid(tmp_path)  # layers 0-2 GDN, 3 attention
+    src = export_gguf(hybrid, tmp_path / "gguf", ftype="f16")
+    mod.main(["probe", "--gguf", str(src), "--attention", attention, "--out", str(tmp_path / "p.gguf")])
+    a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(tmp_path / "p.gguf"))
+    key = "qwen35.attention.recurrent_layers"
+    n = len(a.fields[key].contents())
+    want = {"all": [True] * n, "none": [False] * n, "1": [i == 1 for i in range(n)]}[attention]
+    assert b.fields[key].contents() == [not x for x in want]
+    assert {k: f.contents() for k, f in a.fields.items() if k != key and not k.startswith("GGUF.")} == \
+           {k: f.contents() for k, f in b.fields.items() if k != key and not k.startswith("GGUF.")}
+    src_t, out_t = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    recurrent = a.fields[key].contents()
+    donor = {kind: recurrent.index(kind) for kind in (True, False)}
+    names = lambda layer, tensors: {k.split(".", 2)[2] for k in tensors if k.startswith(f"blk.{layer}.")}
+    for i, is_attn in enumerate(want):
+        assert names(i, out_t) == names(donor[not is_attn], src_t)
+        for suffix in names(i, out_t):
+            from_layer = i if suffix in names(i, src_t) and suffix in names(donor[is_attn], src_t) else donor[not is_attn]
+            assert (out_t[f"blk.{i}.{suffix}"].data == src_t[f"blk.{from_layer}.{suffix}"].data).all()
+    assert all((out_t[k].data == t.data).all() for k, t in src_t.items() if not k.startswith("blk."))
