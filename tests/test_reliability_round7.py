@@ -8,24 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_reliability import cli, fails, succeeds, tree
-from test_reliability_inputs import SMALL, converted_world, copy_tree, main, untouched
+from test_reliability import TRAIN, cli, fails, succeeds, tree
+from test_reliability_inputs import SMALL, copy_tree, main, untouched
+from test_reliability_outputs import ow as r7  # noqa: F401  (root, teacher, corpus, hybrid, a finished distill run)
 
-TRAIN = ["--device", "cpu", "--backend", "torch", "--data.seq_len", "32", "--data.eval_seqs", "2",
-         "--eval_batch_size", "2", "--train.batch_size", "2", "--train.tokens", "256", "--train.log_every", "1",
-         "--train.save_every", "1"]
 EVAL = ["--data.seq_len", "64", "--data.eval_seqs", "2", "--device", "cpu", "--backend", "torch"]
 DEEP = "[" * 100000 + "]" * 100000  # past Python's recursion limit: json raised RecursionError, naming no file
-
-
-@pytest.fixture(scope="module")
-def r7(tmp_path_factory):
-    """(root, teacher, corpus, hybrid, a finished distill run of the hybrid)."""
-    root = tmp_path_factory.mktemp("round7")
-    teacher, corpus, hybrid = converted_world(root)
-    run = root / "run"
-    succeeds(cli("distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--out", run))
-    return root, teacher, corpus, hybrid, run
 
 
 @pytest.fixture(autouse=True)
