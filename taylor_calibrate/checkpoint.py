@@ -299,6 +299,8 @@ def check_model_type(path: Path, cfg: dict, fix: str) -> None:
     import taylor_calibrate  # noqa: F401  registers the hybrid's model_type
 
     model_type = cfg.get("model_type")
+    if "auto_map" in cfg:
+        return  # the loader names the custom code it would need, which is never run
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         what = "gives no model_type" if model_type is None else f"gives model_type {model_type!r}, which transformers " \
             "does not know"

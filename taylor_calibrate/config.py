@@ -757,16 +757,15 @@ def check_finite_options(args, prefix: str = "--") -> None:
         value, name = getattr(args, f.name), f"{prefix}{f.name}"
         if is_dataclass(value):
             check_finite_options(value, f"{name}.")
+        seed = f.name in ("seed", "seeds") or f.name.endswith("_seed")
         for v in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(v, float) and not math.isfinite(v):
                 raise ValueError(f"{name}={v} is not a finite number; pass a finite value")
+            if seed and isinstance(v, int) and abs(v) >= SEED_LIMIT:
+                raise ValueError(f"{name}={v} is out of range: a seed must be an integer of magnitude below 2**53 "
+                                 "(the random generators take 64 bits, and a layer's seed is derived from it)")
             if isinstance(v, int) and abs(v) >= INT_LIMIT:
                 raise ValueError(f"{name}={v} is out of range: an integer option must be of magnitude below 2**63")
-        if f.name in ("seed", "seeds") or f.name.endswith("_seed"):
-            for v in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(v, int) and abs(v) >= SEED_LIMIT:
-                    raise ValueError(f"{name}={v} is out of range: a seed must be an integer of magnitude below 2**53 "
-                                     "(the random generators take 64 bits, and a layer's seed is derived from it)")
 
 
 def args_of(args_cls, namespace):

@@ -610,7 +610,7 @@ def resume_checkpoint(out: Path, model, opt, identity: dict, start_over: str = S
 def _records(path: Path) -> list[dict]:
     """metrics.jsonl's records; a half-written last line (a kill mid-write) is dropped, damage elsewhere is an error."""
     fix = "delete the file or pass a new --out"
-    lines = read_text(path, fix).splitlines()
+    lines = read_text(path, "delete it or pass a new --out").splitlines()
     records = []
     for i, line in enumerate(lines):
         if not line.strip():

@@ -336,8 +336,9 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
                              f"{', '.join(SUPPORTED_ARCHITECTURES)})") from None
         if local:  # a model_type transformers does not know fails with a page on upgrading it: name the type
             raw = read_json(Path(where) / "config.json", "")  # an object: check_teacher_dir
-            check_architecture(SimpleNamespace(model_type=raw.get("model_type"), teacher_name=raw.get("teacher_name")),
-                               spec)
+            if isinstance(raw.get("model_type"), str):
+                check_architecture(SimpleNamespace(model_type=raw["model_type"], teacher_name=raw.get("teacher_name")),
+                                   spec)
             raise ValueError(f"teacher {spec!r}: config.json is not a model config transformers can read ({e}); "
                              "restore it from the original checkpoint") from e
         raise OSError(f"could not load teacher {spec!r}: it is not a local checkpoint and the model hub is not "
