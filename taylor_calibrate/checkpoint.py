@@ -15,11 +15,12 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from taylor_calibrate.model.loading import REPORT, check_loaded, check_report, check_tokenizer_fits
+from taylor_calibrate.model.loading import REPORT, check_loaded, check_report, check_tokenizer_fits, read_json
 from taylor_calibrate.results import finished, is_output_of, umask, write_json
 
 log = logging.getLogger("taylor_calibrate")
@@ -70,7 +71,7 @@ def staged_dir(final: str | Path):
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        with write_errors(final):
+        with write_errors(final, tmp):
             yield tmp
         as_umask(tmp)
     except BaseException:
@@ -97,9 +98,10 @@ _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ER
 
 
 @contextlib.contextmanager
-def write_errors(target: str | Path):
-    """Turn a failed write under `target` (a full disk, no permission: an OSError, or safetensors' own error, which is
-    not one) into one OSError naming `target` and the fix."""
+def write_errors(target: str | Path, staged: str | Path | None = None):
+    """Turn a failed write under `target` (or `staged`, where it is written first: a full disk, no permission: an
+    OSError, or safetensors' own error, which is not one) into one OSError naming `target` and the fix. An error on a
+    file elsewhere (an input that cannot be read) is not a failed write: it passes unchanged."""
     from safetensors import SafetensorError
 
     try:
@@ -108,6 +110,10 @@ def write_errors(target: str | Path):
         # numpy's tofile (the GGUF writer's, the token shards') reports a short write as "N requested and M written"
         short = isinstance(e, OSError) and e.errno is None and "written" in str(e)
         if isinstance(e, OSError) and e.errno not in _WRITE_ERRNOS and not short:
+            raise
+        where = Path(os.path.abspath(e.filename)) if getattr(e, "filename", None) else None
+        ours = [Path(os.path.abspath(p)) for p in (target, staged) if p is not None]
+        if where is not None and not any(where == p or p in where.parents for p in ours):
             raise
         why = getattr(e, "strerror", None) or str(e)
         if isinstance(e, SafetensorError) and ("code: 28" in why or "StorageFull" in why):
@@ -199,19 +205,21 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     import taylor_calibrate  # noqa: F401  registers the hybrid with the Auto* factories
 
     path = Path(path)
-    fix = "re-run `convert` into a new --out to rewrite it"
+    fix = REWRITE
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory; pass the output directory of `convert`")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the output of `convert`")
     check_finished(path)
     check_json_files(path, fix)
-    check_hybrid_config(path, json.loads((path / "config.json").read_text()), fix)
+    cfg = json.loads((path / "config.json").read_text())
+    check_model_type(path, cfg, fix)
+    check_hybrid_config(path, cfg, fix)
     if not check_safetensors(path, fix):
         raise FileNotFoundError(f"{path} has no *.safetensors weights; re-run `convert` to write them")
-    try:
+    try:  # weights of another shape than the config's are named by check_loaded, not raised as a page of shapes
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
-                                                           trust_remote_code=False)
+                                                           ignore_mismatched_sizes=True, trust_remote_code=False)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError) as e:
         if "custom code" in str(e):
             raise ValueError(f"{path} needs custom code (an auto_map in its config), which taylor-calibrate never "
@@ -230,6 +238,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     return model.to(device).eval(), tokenizer
 
 
+REWRITE = "re-run `convert` into a new --out to rewrite it"
 _JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
                "special_tokens_map.json")  # report.json: model.loading.check_report
 
@@ -258,12 +267,7 @@ def check_json_files(path: Path, fix: str) -> None:
             continue
         if not f.is_file():
             raise ValueError(f"{f} is not a regular file (a pipe, socket or device); {fix}")
-        try:
-            data = json.loads(f.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{f} is not valid JSON ({e}); {fix}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{f} is not a JSON object (it holds a {type(data).__name__}): it is damaged; {fix}")
+        read_json(f, fix)
 
 
 def _attention_heads_problems(heads: dict, types: list, base: dict) -> list[str]:
@@ -287,6 +291,22 @@ def _attention_heads_problems(heads: dict, types: list, base: dict) -> list[str]
     return problems
 
 
+def check_model_type(path: Path, cfg: dict, fix: str) -> None:
+    """config.json's model_type must be one transformers knows (ours registered): else its loader fails with a page
+    on upgrading transformers, where the file is what is wrong."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    import taylor_calibrate  # noqa: F401  registers the hybrid's model_type
+
+    model_type = cfg.get("model_type")
+    if "auto_map" in cfg:
+        return  # the loader names the custom code it would need, which is never run
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        what = "gives no model_type" if model_type is None else f"gives model_type {model_type!r}, which transformers " \
+            "does not know"
+        raise ValueError(f"{path / 'config.json'} {what}: it is damaged (or the model is of another library); {fix}")
+
+
 def check_hybrid_config(path: Path, cfg: dict, fix: str) -> None:
     """A hybrid's config.json must have the shape `convert` writes: a layer kind per layer of its base config, its
     options, its teacher a path or null, and none of the keys the config computes. Anything else would load another
@@ -301,6 +321,14 @@ def check_hybrid_config(path: Path, cfg: dict, fix: str) -> None:
     problems = []
     if not isinstance(base, dict) or not isinstance(n, int) or n < 1:
         problems.append("base_config is not the teacher's config (an object with num_hidden_layers)")
+    else:
+        from taylor_calibrate.model.hybrid import base_config_of
+
+        try:  # a value of the wrong type fails in transformers' config class, inside the model's constructor
+            base_config_of(SimpleNamespace(base_config=base))
+        except Exception as e:  # a validation error of the config class, or a model_type it does not know
+            problems.append(f"base_config is not a config transformers can read ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())})")
     if not isinstance(types, list) or not all(t in kinds for t in types):
         problems.append(f"layer_types is not a list of layer kinds ({', '.join(kinds)})")
     elif isinstance(n, int) and len(types) != n:

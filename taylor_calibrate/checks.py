@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from taylor_calibrate.config import TOKEN_CACHE_ENV, token_cache_dir
-from taylor_calibrate.results import OUTPUTS, found, is_output_of, marks
+from taylor_calibrate.model.loading import parse_json, read_json
+from taylor_calibrate.results import OUTPUTS, file_in_the_way, found, is_output_of, marks
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -61,8 +62,7 @@ def check_token_cache(option: str | None, inputs: dict[str, str | None]) -> None
     cache = token_cache_dir(option).expanduser().resolve()
     where = (f"--data.token_cache {option}" if option else f"${TOKEN_CACHE_ENV}={os.environ[TOKEN_CACHE_ENV]}"
              if os.environ.get(TOKEN_CACHE_ENV) else f"the token cache {cache}")
-    existing = next(p for p in (cache, *cache.parents) if p.exists())
-    if not existing.is_dir():  # else "[Errno 20] Not a directory: .../.locks" once the run needs the cache
+    if existing := file_in_the_way(cache):  # else "[Errno 20] Not a directory: .../.locks" once the run needs it
         what = "is a file" if existing == cache else f"lies under {existing}, which is a file"
         raise NotADirectoryError(f"{where} {what}; pass --data.token_cache with a directory")
     for name, spec in inputs.items():
@@ -91,10 +91,10 @@ def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs:
                                 "path (or create the link's target)")
     path = raw.resolve()
     _check_inputs(path, out, inputs or {}, nested_ok, flag)
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        where = "is an existing file" if existing == path else f"lies under {existing}, which is a file"
+    if blocked := file_in_the_way(path):
+        where = "is an existing file" if blocked == path else f"lies under {blocked}, which is a file"
         raise NotADirectoryError(f"{flag} {out} {where}; pass a directory path")
+    existing = next(p for p in (path, *path.parents) if p.exists())
     beside = next((p for p in path.parents if p.exists()), existing)  # the lock and staged outputs go here
     for where in dict.fromkeys([existing, beside]):
         try:
@@ -153,8 +153,7 @@ def _holder(f) -> dict:
     read)."""
     try:
         f.seek(0)
-        data = json.loads(f.read(1 << 16) or "{}")
-        return data if isinstance(data, dict) else {}
+        return parse_json(f.read(1 << 16) or "{}", f.name, "")
     except (ValueError, OSError):
         return {}
 
@@ -298,8 +297,8 @@ def check_teacher_origin(student: str, recorded: str | None, teacher: str | None
                                 "deleted); pass --teacher with where it is now")
     try:
         report = Path(student) / "report.json"
-        then = json.loads(report.read_text()).get("teacher_hash") if report.is_file() else None
-    except (OSError, ValueError, AttributeError):
+        then = read_json(report, "").get("teacher_hash") if report.is_file() else None
+    except (OSError, ValueError):
         then = None  # no report (a distilled model/ directory) or a damaged one, which the loader has refused
     now = teacher_hash(spec) if then else None
     same_place = teacher_ref(spec) == teacher_ref(recorded)

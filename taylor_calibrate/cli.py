@@ -6,6 +6,7 @@ Flags and a YAML file (`--config run.yaml`, a dump of the same dataclass) both f
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import functools
 import logging
@@ -16,7 +17,7 @@ import signal
 import sys
 import threading
 
-from jsonargparse import ArgumentParser, set_parsing_settings
+from jsonargparse import ArgumentParser, Namespace, set_parsing_settings
 
 from taylor_calibrate.experiments.ablate import run_ablate
 from taylor_calibrate.config import (AblateArgs, ConvertArgs, DamageArgs, DistillArgs, EvalArgs, ExportArgs, RecoveryArgs,
@@ -60,19 +61,41 @@ def parse(argv: list[str] | None = None):
     parser = build_parser()
     cfg = parser.parse_args(argv)
     name = cfg.command
+    check_groups(cfg[name], _subparser(name).get_defaults())
     return name, args_of(COMMANDS[name][0], parser.instantiate(cfg)[name])
+
+
+def _subparser(name: str | None) -> ArgumentParser:
+    parser = build_parser()
+    return parser._subcommands_action._name_parser_map[name] if name else parser
+
+
+def check_groups(values: Namespace, defaults: Namespace, prefix: str = "") -> None:
+    """A group of options (--phase2, --data, ...) set to a scalar or list by a YAML --config passes the parser and
+    fails in building the arguments with a TypeError page: refuse it naming the group and its form."""
+    for key, default in vars(defaults).items():
+        value = getattr(values, key, None)
+        if isinstance(default, Namespace):
+            if not isinstance(value, Namespace):
+                raise ValueError(not_a_group(prefix + key, value))
+            check_groups(value, default, f"{prefix}{key}.")
+
+
+def not_a_group(key: str, value) -> str:
+    return (f"--{key} {value!r} is not a set of options: set them one by one (--{key}.NAME VALUE) or as a mapping "
+            f"('{{NAME: VALUE}}', or `{key}:` over indented lines in a --config file)")
+
+
+def config_files(words: list[str]) -> list[str]:
+    """The values given to --config in a command line."""
+    return [w.split("=", 1)[1] if w.startswith("--config=") else words[i + 1] for i, w in enumerate(words)
+            if w.startswith("--config=") or (w == "--config" and i + 1 < len(words))]
 
 
 def check_config_files(words: list[str]) -> None:
     """A --config that names a pipe or device would block the parser for ever, and one that is not text fails in it
     without naming the file: refuse both (a YAML string is fine)."""
-    for i, w in enumerate(words):
-        if w.startswith("--config="):
-            value = w.split("=", 1)[1]
-        elif w == "--config" and i + 1 < len(words):
-            value = words[i + 1]
-        else:
-            continue
+    for value in config_files(words):
         if os.path.exists(value) and not os.path.isfile(value):
             raise ValueError(f"--config {value} is not a regular file (a directory, pipe or device); pass a YAML file")
         if os.path.isfile(value):
@@ -89,10 +112,10 @@ _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def describe(e: BaseException, args=None) -> str:
-    """The error line: the message, with a bare OSError of the system (a full disk, no permission) given the file or
-    output it concerns and the fix."""
+    """The error line: the message on one line (a library's message quoted in ours may span several), with a bare
+    OSError of the system (a full disk, no permission) given the file or output it concerns and the fix."""
     if not isinstance(e, OSError) or not str(e).startswith("[Errno") or e.errno not in _FULL + _DENIED:
-        return str(e)
+        return " ".join(str(e).split())
     where = e.filename or getattr(args, "out", None)
     if e.errno in _FULL:
         return (f"no space left on the device{f' writing {where}' if where else ''} ({e.strerror}); free space there "
@@ -111,20 +134,65 @@ def _terminated(signum, frame):
 
 _FORMS = {"list": "a list, written '[a, b]'", "int": "an integer", "float": "a number", "bool": "true or false",
           "str": "a string"}
+_TYPE = r"(?:<class '(\w+)'>|(list)\[[^\]]*\])"
+_WRONG_FORM = re.compile(r'Parser key "([^"]+)": (?:Expected a <class \'(\w+)\'>\. Got value|Does not validate '
+                         rf'against any of the Union subtypes Subtypes: \[{_TYPE}, <class \'NoneType\'>\].*Given '
+                         r'value):? ?(.*)')
 
 
-def usage_error(e: argparse.ArgumentError, name: str | None) -> str:
-    """jsonargparse's message (a usage page, then "Parser key ...:" over two lines) as one line with the fix: the form
-    the option takes, else --help."""
+def _guess(option: str, name: str | None) -> str:
+    """' (did you mean --x?)' for the closest option of command `name`, or ''."""
+    known = [o for o in _subparser(name)._option_string_actions if o.startswith("--")]
+    close = difflib.get_close_matches(option if option.startswith("--") else f"--{option}", known, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def usage_error(e: argparse.ArgumentError, name: str | None, words: list[str] = ()) -> str:
+    """jsonargparse's message (a usage page, then "Parser key ...:" over two lines) as one line naming the option and
+    the form it takes, else --help."""
     text = " ".join(str(e).split())
     help_ = f"see `taylor-calibrate {name + ' ' if name else ''}--help`"
-    m = re.fullmatch(r'Parser key "([^"]+)": (?:Expected a <class \'(\w+)\'>\. Got value|Does not validate against '
-                     r'any of the Union subtypes Subtypes: \[<class \'(\w+)\'>, <class \'NoneType\'>\].*Given value): '
-                     r'(.*)', text)
-    kind = m and (m[2] or m[3])
-    if kind in _FORMS:
-        return f"--{m[1]} {m[4]!r} is not {_FORMS[kind]} ({help_})"
+    config = " ".join(config_files(list(words)))
+    where = f"in --config {config}" if config else "in a group's mapping"
+    if m := re.fullmatch(r'Parser key "([^"]+)": Unable to load config (\'.*?\'|".*?") - (.*)', text):
+        if m[3].startswith(f'Parser key "{m[1]}": Unable to load config'):
+            return f"{not_a_group(m[1], m[2][1:-1])} ({help_})"
+        if m[3].startswith("Parser key"):  # a value inside the group's mapping
+            return usage_error(argparse.ArgumentError(None, m[3]), name, words)
+        return f"--{m[1]} {m[2]} is not valid YAML ({m[3]}); write a mapping '{{NAME: VALUE}}' ({help_})"
+    if m := _WRONG_FORM.fullmatch(text):
+        kind = m[2] or m[3] or m[4]
+        if kind in _FORMS:
+            return f"--{m[1]} {m[5]!r} is not {_FORMS[kind]} ({help_})"
+    forms = {
+        r'expected "command" to be one of .*but it was not provided\.?': lambda m: "no command given; pass one of "
+        f"{', '.join(COMMANDS)} ({help_})",
+        r"argument command: invalid choice: '(.*?)' .*": lambda m: f"{m[1]!r} is not a command; pass one of "
+        f"{', '.join(COMMANDS)} ({help_})",
+        r"unrecognized arguments: (--[^\s=]+).*": lambda m: f"{m[1]} is not an option of `{name}`{_guess(m[1], name)} "
+        f"({help_})",
+        r"unrecognized arguments: (.*)": lambda m: f"{m[1]!r} follows no option: each option takes one value (a list "
+        f"is written '[a, b]', in quotes on a shell) ({help_})",
+        r"argument (--\S+): expected one argument": lambda m: f"{m[1]} needs a value ({m[1]} VALUE) ({help_})",
+        r"(?:Subcommand '\w+' does not accept option|Option) '([^']+)'(?: is not accepted)?": lambda m: f"{m[1]!r} "
+        f"({where}) is not an option of `{name}`{_guess(m[1], name)} ({help_})",
+        r'Parser key "config": File does not exist: \'?(.*?)\'?': lambda m: f"--config {m[1]} does not exist; pass a "
+        "YAML file of `option: value` lines",
+        r"Unexpected config:(.*)": lambda m: f"--config {config} holds no `option: value` mapping ("
+        f"{'it is empty' if not m[1] else 'it holds' + m[1][:60]}); write one option a line, e.g. `seed: 0`",
+        r"Problems parsing config: (.*)": lambda m: f"--config {config} is not valid YAML ({m[1]}); fix the file",
+        r'Invalid option "(.*)" for --print_config': lambda m: f"--print_config={m[1]} is not one of its flags: pass "
+        "--print_config alone, or =skip_default or =skip_unset",
+    }
+    for pattern, say in forms.items():
+        if m := re.fullmatch(pattern, text):
+            return say(m)
     return f"{text}; {help_}"
+
+
+def prog(name: str | None) -> str:
+    """What the error line starts with: the program, and the command when one was given."""
+    return f"taylor-calibrate {name}" if name else "taylor-calibrate"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,14 +212,14 @@ def main(argv: list[str] | None = None) -> int:
             args.command = "taylor-calibrate " + shlex.join(sys.argv[1:] if argv is None else argv)
         COMMANDS[name][1](args)
     except argparse.ArgumentError as e:
-        print(f"taylor-calibrate {name or ''}: error: {usage_error(e, name)}", file=sys.stderr)
+        print(f"{prog(name)}: error: {usage_error(e, name, words)}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, OSError, RuntimeError, ImportError) as e:
-        print(f"taylor-calibrate {name or ''}: error: {describe(e, args)}", file=sys.stderr)
+        print(f"{prog(name)}: error: {describe(e, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         how = " (SIGTERM)" if isinstance(e, Terminated) else ""
-        print(f"taylor-calibrate {name or ''}: interrupted{how}; nothing half-written was kept (outputs appear whole "
+        print(f"{prog(name)}: interrupted{how}; nothing half-written was kept (outputs appear whole "
               "or not at all; distill resumes from its last checkpoint)", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     finally:  # a caller of main() in-process (the tests) keeps its own handler

@@ -63,6 +63,8 @@ class CalibArgs:
     """Calibration rows phase 1 reads at most (the write gate's and output gate's input direction)."""
 
     def __post_init__(self):
+        if self.gate_alpha < 0:  # a negative one flips the gate's input: another model, not a smaller perturbation
+            raise ValueError(f"--calib.gate_alpha={self.gate_alpha} must be >= 0 (the perturbation's relative size)")
         if self.sigma_rows < 1 or self.fit_rows < 1:
             raise ValueError(f"--calib.sigma_rows={self.sigma_rows} and --calib.fit_rows={self.fit_rows} must be >= 1")
         if not (0 < self.beta_min and self.beta_min + self.beta_span < 1 and self.beta_span >= 0):
@@ -743,22 +745,27 @@ SEED_LIMIT = 2 ** 53
 """Seeds reach torch's generators (64-bit) multiplied by 1000 (`model.hybrid`: one per layer): below this they fit."""
 
 
+INT_LIMIT = 2 ** 63
+"""Integer options reach torch, numpy and range lengths as 64-bit integers: from this magnitude on they overflow."""
+
+
 def check_finite_options(args, prefix: str = "--") -> None:
     """Refuse NaN and inf in every float option of an argument dataclass (nested ones and lists too): every comparison
     with NaN is false, so range checks let it through and it would silently turn off what it sets (a NaN grad_clip
-    clips nothing)."""
+    clips nothing). Integers past 64 bits are refused too (an OverflowError deep in the run)."""
     for f in fields(args):
         value, name = getattr(args, f.name), f"{prefix}{f.name}"
         if is_dataclass(value):
             check_finite_options(value, f"{name}.")
+        seed = f.name in ("seed", "seeds") or f.name.endswith("_seed")
         for v in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(v, float) and not math.isfinite(v):
                 raise ValueError(f"{name}={v} is not a finite number; pass a finite value")
-        if f.name in ("seed", "seeds") or f.name.endswith("_seed"):
-            for v in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(v, int) and abs(v) >= SEED_LIMIT:
-                    raise ValueError(f"{name}={v} is out of range: a seed must be an integer of magnitude below 2**53 "
-                                     "(the random generators take 64 bits, and a layer's seed is derived from it)")
+            if seed and isinstance(v, int) and abs(v) >= SEED_LIMIT:
+                raise ValueError(f"{name}={v} is out of range: a seed must be an integer of magnitude below 2**53 "
+                                 "(the random generators take 64 bits, and a layer's seed is derived from it)")
+            if isinstance(v, int) and abs(v) >= INT_LIMIT:
+                raise ValueError(f"{name}={v} is out of range: an integer option must be of magnitude below 2**63")
 
 
 def args_of(args_cls, namespace):

@@ -477,14 +477,9 @@ def read_token_meta(root: str | Path) -> dict:
     root = Path(root)
     f = root / TOKENS_META
     fix = f"delete {root} and tokenise the corpus again (`taylor-calibrate tokenize`, or let distill do it)"
-    from taylor_calibrate.model.loading import NotRegularFile, read_text
+    from taylor_calibrate.model.loading import read_json
 
-    try:
-        meta = json.loads(read_text(f, fix))
-    except NotRegularFile:
-        raise
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{f} is not valid JSON ({e}); {fix}") from None
+    meta = read_json(f, fix)
     ok = (isinstance(meta, dict) and isinstance(meta.get("tokens"), dict) and isinstance(meta.get("tokenizer"), str)
           and meta.get("dtype") in ("uint16", "uint32") and isinstance(meta.get("source"), str)
           and isinstance(meta.get("corpus"), (dict, type(None)))

@@ -49,7 +49,7 @@ from taylor_calibrate.data import TokenWindows, distill_data, recall_rows, repea
 from taylor_calibrate.checkpoint import REPORT, check_finite, load_model, staged_dir
 from taylor_calibrate.model.hybrid import gdn_heads
 from taylor_calibrate.model.hybrid_config import MIXER_TYPE
-from taylor_calibrate.model.loading import read_text
+from taylor_calibrate.model.loading import NotJSON, parse_json, read_json, read_text
 from taylor_calibrate.results import is_output_of, record, write_json
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.stats import FarMass, observing
@@ -498,9 +498,7 @@ def read_checkpoint(ckpt: Path, model) -> tuple[dict, dict, dict]:
     """(meta, model state, optimizer state) of one checkpoint, checked against the run's trained parameters: every
     one present with its shape, nothing else (a strict load). Raises CorruptCheckpoint naming the file."""
     try:
-        meta = json.loads(read_text(ckpt / "state.json", "it is damaged"))
-        if not isinstance(meta, dict):
-            raise TypeError("state.json is not a JSON object")
+        meta = read_json(ckpt / "state.json", "")
         step = meta["step"]
         if not isinstance(step, int) or isinstance(step, bool) or ckpt.name != f"step_{step:08d}":
             raise ValueError(f"its state.json records step {meta['step']!r}, not the step of {ckpt.name}")
@@ -611,18 +609,19 @@ def resume_checkpoint(out: Path, model, opt, identity: dict, start_over: str = S
 
 def _records(path: Path) -> list[dict]:
     """metrics.jsonl's records; a half-written last line (a kill mid-write) is dropped, damage elsewhere is an error."""
+    fix = "delete the file or pass a new --out"
     lines = read_text(path, "delete it or pass a new --out").splitlines()
     records = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
-        except ValueError:
+            rec = parse_json(line, f"{path}:{i + 1}", fix, object)
+        except NotJSON:
             if i == len(lines) - 1:
                 log.warning("%s: dropped a half-written last line", path)
                 break
-            raise ValueError(f"{path}:{i + 1} is not valid JSON; delete the file or pass a new --out") from None
+            raise
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or \
                 not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in rec.values()):
             raise ValueError(f"{path}:{i + 1} is not a metrics record (a JSON object of numbers with a step); the "

@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 from taylor_calibrate.checks import check_context, check_same_vocab, writes_out
 from taylor_calibrate.config import EvalArgs, apply_profile
 from taylor_calibrate.data import load_splits
-from taylor_calibrate.checkpoint import REPORT, load_model
+from taylor_calibrate.checkpoint import REPORT, REWRITE, check_model_type, load_model
+from taylor_calibrate.model.loading import read_json
 from taylor_calibrate.results import is_output_of, record, write_text
 from taylor_calibrate.ops import resolve_backend
 from taylor_calibrate.retrieval import REPLY_KINDS, niah_scores, reply_rates
@@ -185,10 +186,11 @@ def eval_out(args: EvalArgs) -> Path:
     if model.name == "model" and is_output_of(model.parent, "distill"):
         return model.parent / "eval"
     try:
-        config = json.loads((model / "config.json").read_text()) if (model / "config.json").is_file() else None
+        config = read_json(model / "config.json", "") if (model / "config.json").is_file() else None
     except (OSError, ValueError):
         config = None
     if isinstance(config, dict) and config.get("model_type") != "taylor_hybrid":
+        check_model_type(model, config, REWRITE)  # a damaged one is named as such, not as another model
         raise ValueError(f"--model {args.model} is not a hybrid of taylor-calibrate (its model_type is "
                          f"{config.get('model_type')!r}), so eval does not write its report inside it (<model>/eval "
                          "is the default only for `convert` and `distill` outputs); pass --out with a directory for "

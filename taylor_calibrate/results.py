@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from taylor_calibrate.model.loading import parse_json
+
 PACKAGE_ROOT = Path(__file__).resolve().parent
 PROVENANCE_KEYS = ("commit", "dirty", "command", "args", "env")
 _PROVENANCE_TYPES = {"commit": str, "dirty": bool, "command": str, "args": dict, "env": dict}  # as `record` writes
@@ -100,6 +102,12 @@ def record(path: str | Path, result: dict, args=None, command: str | None = None
            "env": environment()}
     write_json(path, out)
     return out
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The file that is `path`, or lies above it, where a directory must be (None: nothing is in the way)."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    return None if existing.is_dir() else existing
 
 
 def write_text(path: str | Path, text: str) -> None:
@@ -190,20 +198,12 @@ class ReportArgs:
 
 def run_report(args: ReportArgs) -> str:
     """Print (or write) the markdown view of a results JSON."""
-    from taylor_calibrate.model.loading import read_text
+    from taylor_calibrate.model.loading import read_json
 
     path = Path(args.file)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass a results JSON written by a subcommand or benchmark")
-    too_deep = f"{path} nests JSON deeper than Python's recursion limit: it is not a results file; pass a results JSON"
-    try:
-        result = json.loads(read_text(path, "pass a results JSON file"))  # a pipe would block the reader
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not JSON ({e}); pass a results JSON") from e
-    except RecursionError:  # a results file is a few levels deep
-        raise ValueError(too_deep) from None
-    if not isinstance(result, dict):
-        raise ValueError(f"{path} holds a JSON {type(result).__name__}, not a results object")
+    result = read_json(path, "pass a results JSON file")  # a pipe would block the reader
     wrong = [f"{k} is a {type(result[k]).__name__}" for k, kind in _PROVENANCE_TYPES.items()
              if result.get(k) is not None and not isinstance(result[k], kind)]
     if wrong:
@@ -211,14 +211,17 @@ def run_report(args: ReportArgs) -> str:
                          "run the command that wrote it again")
     try:
         text = render(result, title=path.stem)
-    except RecursionError:
-        raise ValueError(too_deep) from None
+    except RecursionError:  # a results file is a few levels deep
+        raise ValueError(f"{path} nests JSON deeper than Python's recursion limit: it is not a results file; pass a "
+                         "results JSON") from None
     if args.out is None:
         print(text, end="")
         return text
     out = Path(args.out)
     if out.exists():
         raise FileExistsError(f"{out} exists; pass another --out or remove it first")
+    if blocked := file_in_the_way(out.parent):
+        raise NotADirectoryError(f"--out {out} lies under {blocked}, which is a file; pass a path in a directory")
     write_text(out, text)
     return text
 
@@ -272,10 +275,10 @@ def written_by(f: Path, keys: tuple[str, ...]) -> bool:
             head = fh.readline(_MARK_BYTES + 1) if f.suffix == ".jsonl" else fh.read(_MARK_BYTES + 1)
         if len(head) > _MARK_BYTES:
             return False
-        data = json.loads(head)
+        data = parse_json(head, f, "")
     except (ValueError, OSError):
         return False
-    return isinstance(data, dict) and all(k in data for k in keys)
+    return all(k in data for k in keys)
 
 
 def marks(command: str) -> list[tuple[str, tuple[str, ...]]]:

@@ -13,11 +13,13 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from taylor_calibrate.config import SUPPORTED_ARCHITECTURES
+from taylor_calibrate.model.loading import read_json
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -80,8 +82,8 @@ def check_architecture(config, spec: str | None = None, origin: str | None = Non
         raise ValueError(hybrid_teacher_error(spec, _HYBRIDS[model_type], origin))
     if model_type not in SUPPORTED_ARCHITECTURES:
         hint = " (for Gemma 3 use a text-only checkpoint, model_type gemma3_text)" if model_type == "gemma3" else ""
-        raise ValueError(f"unsupported teacher architecture {model_type!r}{hint}; supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"unsupported teacher architecture {model_type!r}{f' (teacher {spec!r})' if spec else ''}"
+                         f"{hint}; pass a checkpoint of a supported one: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def hybrid_teacher_error(spec: str | None, what: str, origin: str | None) -> str:
@@ -130,11 +132,7 @@ def check_teacher_dir(path: Path) -> None:
     if not config.is_file():  # a pipe would block the reader for ever
         raise ValueError(f"teacher config {config} is not a regular file (a pipe, socket or device); restore it from "
                          "the original checkpoint")
-    try:
-        json.loads(config.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"teacher config {config} is not valid JSON ({e}); restore it from the original "
-                         "checkpoint") from None
+    read_json(config, "restore it from the original checkpoint")
     check_safetensors(path, "restore the teacher's weights from the original checkpoint")
     check_regular_files(path, "restore it from the original checkpoint")
 
@@ -336,7 +334,11 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
             raise ValueError(f"teacher {spec!r} needs custom code (an auto_map in its config), which taylor-calibrate "
                              f"never runs; pass a checkpoint of a supported architecture ("
                              f"{', '.join(SUPPORTED_ARCHITECTURES)})") from None
-        if local:
+        if local:  # a model_type transformers does not know fails with a page on upgrading it: name the type
+            raw = read_json(Path(where) / "config.json", "")  # an object: check_teacher_dir
+            if isinstance(raw.get("model_type"), str):
+                check_architecture(SimpleNamespace(model_type=raw["model_type"], teacher_name=raw.get("teacher_name")),
+                                   spec)
             raise ValueError(f"teacher {spec!r}: config.json is not a model config transformers can read ({e}); "
                              "restore it from the original checkpoint") from e
         raise OSError(f"could not load teacher {spec!r}: it is not a local checkpoint and the model hub is not "
@@ -346,12 +348,12 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
     check_tokenizer_files(where, kw)
     log.info("loading teacher %s (%s)", spec, config.model_type)
     try:
-        # the config read above goes in, so a GGUF file's metadata is parsed once less (seconds per parse)
+        # the config read above goes in, so a GGUF file's metadata is parsed once less (seconds per parse); weights of
+        # another shape than the config's are named by check_loaded, not raised as a page of shapes
         model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype,
                                                            attn_implementation=attn_implementation,
-                                                           output_loading_info=True,
+                                                           output_loading_info=True, ignore_mismatched_sizes=True,
                                                            trust_remote_code=False, **kw)
-        tokenizer = tokenizer or _tokenizer(where, kw)
     except Exception as e:  # a damaged file surfaces as whatever the reader of that format raises
         from taylor_calibrate.checkpoint import unreadable
 
@@ -359,7 +361,12 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
             raise denied from e
         raise ValueError(f"could not load teacher {spec!r} ({type(e).__name__}: {e}); check that its files are "
                          "complete (download them again)") from e
-    check_loaded(spec, info, "restore the teacher's weights from the original checkpoint")
+    if tokenizer is None:
+        tokenizer = load_tokenizer(spec)
+    # weights of layers the config does not have: a config.json of fewer layers than the checkpoint would load a
+    # truncated teacher in silence (other unexpected keys, buffers of older checkpoints, are the library's to skip)
+    info = {**info, "unexpected_keys": [k for k in info.get("unexpected_keys") or [] if ".layers." in k]}
+    check_loaded(spec, info, "restore the teacher's files from the original checkpoint", unexpected=True)
     check_tokenizer_fits(spec, model, tokenizer, "copy the tokenizer files of the teacher's own checkpoint beside it")
     model.to(device).eval().requires_grad_(False)
     return Teacher(model=model, tokenizer=tokenizer, name=spec)

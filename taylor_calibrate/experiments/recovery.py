@@ -41,6 +41,7 @@ from taylor_calibrate.convert import convert, resolve_runtime
 from taylor_calibrate.data import TokenSplits, distill_data, is_token_dir, read_token_meta
 from taylor_calibrate.distill import Dist, all_sum, distill, identity_diff, init_distributed
 from taylor_calibrate.evaluate import perplexity
+from taylor_calibrate.model.loading import parse_json, read_json, read_text
 from taylor_calibrate.results import record, write_json
 from taylor_calibrate.model.hybrid import convert_teacher, make_mixers
 from taylor_calibrate.ops import resolve_backend, training_backend
@@ -115,7 +116,7 @@ def build_or_load(model, splits, specs, policies, args, backend, device, cache: 
     files = {k: cache / f"{k[0]}{'+align' if k[1] else ''}.safetensors" for k in keys}
     layers_file = cache / "layers.json"
     if layers_file.exists() and all(f.exists() for f in files.values()):
-        saved = json.loads(layers_file.read_text())
+        saved = read_json(layers_file, f"delete {cache} and run again (it is rebuilt)")
         if set(saved["kept"]) >= set(policies):
             log.info("recovery: mixers and kept layers from %s", cache)
             return {k: _cached_mixers(model, args, f) for k, f in files.items()}, {}, saved["kept"], saved["scores"]
@@ -160,7 +161,7 @@ def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryA
         weights, meta = student_file(cache, policy, init), cache / f"{policy}__{init}.json"
         if meta.exists() and weights.exists():
             log.info("recovery: student %s / %s from %s", policy, init, weights)
-            info = json.loads(meta.read_text())
+            info = read_json(meta, f"delete {cache} and run again (it is rebuilt)")
         else:
             print(f"\nrecovery: converting the {policy} / {init} student")
             conv = convert_args(args, policy, init)
@@ -226,7 +227,9 @@ def niah_steps(steps: int, points: int) -> list[int]:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+    fix = f"delete {path} (it is written again) or pass a new --out"
+    return [parse_json(l, f"{path}:{i + 1}", fix) for i, l in enumerate(read_text(path, fix).splitlines())
+            if l.strip()] if path.exists() else []
 
 
 def plot_curves(result: dict, path: Path) -> None:
@@ -417,7 +420,7 @@ def check_same_experiment(out: Path, args: RecoveryArgs) -> None:
         out.mkdir(parents=True, exist_ok=True)
         write_json(path, mine)
         return
-    diffs = identity_diff(json.loads(path.read_text()), mine)
+    diffs = identity_diff(read_json(path, "delete it to record this call's options, or pass a new --out"), mine)
     if diffs:
         raise ValueError(f"{out} holds a recovery experiment run with other options ({'; '.join(diffs)}): its runs "
                          "would mix them; pass those options again to continue it, or a new --out")
@@ -462,7 +465,7 @@ def run_recovery(args: RecoveryArgs) -> dict:
     with _main_first(ctx):
         if args.niah and not teacher_niah_file.exists():
             write_json(teacher_niah_file, _niah(model, tokenizer, args, device, "teacher niah"))
-    teacher_niah = json.loads(teacher_niah_file.read_text()) if args.niah else None
+    teacher_niah = read_json(teacher_niah_file, "delete it (it is measured again)") if args.niah else None
 
     results: dict[str, dict] = {p: {} for p in policies}
     speeds = []
@@ -485,7 +488,7 @@ def run_recovery(args: RecoveryArgs) -> dict:
         run_dir = out / "runs" / f"{policy}__{init}"
         done = run_dir / "result.json"
         if done.exists():
-            results[policy][init] = json.loads(done.read_text())
+            results[policy][init] = read_json(done, "delete it to train that run again, or pass a new --out")
             speeds.append((results[policy][init]["tokens_per_s"], results[policy][init]["mfu"]))
             continue
         late = deadline is not None and all_sum([time.monotonic() > deadline], ctx, device)[0] > 0  # all agree

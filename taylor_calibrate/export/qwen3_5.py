@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from taylor_calibrate.checkpoint import (check_finished, check_hybrid_config, check_json_files, check_safetensors,
-                                        check_state)
+from taylor_calibrate.checkpoint import (REWRITE, check_finished, check_hybrid_config, check_json_files,
+                                        check_safetensors, check_state)
 from taylor_calibrate.model.hybrid_config import MIXER_TYPE, HybridConfig
 from taylor_calibrate.model.mixers import get_spec, spec_for_options
 from taylor_calibrate.model.mixers.calibration import constant_direction
@@ -229,7 +229,6 @@ def qwen3_5_state_dict(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> dic
     return out
 
 
-REWRITE = "re-run `convert` into a new --out to rewrite it"
 
 
 def check_model_dir(path: Path) -> dict:

@@ -19,8 +19,36 @@ def read_text(path, fix: str) -> str:
     device or directory in its place is refused naming it (a reader would block for ever, or fail without the name)."""
     path = Path(path)
     if path.exists() and not path.is_file():
-        raise NotRegularFile(f"{path} is not a regular file (a directory, pipe, socket or device); {fix}")
+        raise NotRegularFile(f"{path} is not a regular file (a directory, pipe, socket or device)"
+                             + (f"; {fix}" if fix else ""))
     return path.read_text()
+
+
+class NotJSON(ValueError):
+    """Text that does not parse as JSON at all (a half-written last line of a .jsonl, say)."""
+
+
+def parse_json(text: str, where, fix: str, kind: type = dict):
+    """JSON text of a file of ours at `where` (a path, or path:line), of top-level type `kind`: text that is not JSON
+    (NotJSON), nests deeper than Python's recursion limit (RecursionError in the parser, no file named) or holds
+    another type is one ValueError naming `where` and `fix`."""
+    fix = f"; {fix}" if fix else ""
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise NotJSON(f"{where} is not valid JSON ({e}){fix}") from None
+    except RecursionError:
+        raise ValueError(f"{where} nests JSON deeper than Python's recursion limit: it is damaged{fix}") from None
+    if not isinstance(data, kind):
+        want = {dict: "object", list: "list"}.get(kind, kind.__name__)
+        raise ValueError(f"{where} is not a JSON {want} (it holds a {type(data).__name__}): it is damaged{fix}")
+    return data
+
+
+def read_json(path, fix: str, kind: type = dict):
+    """A JSON file of ours (`read_text`, then `parse_json`): every way it can be damaged is one ValueError naming the
+    file and `fix`."""
+    return parse_json(read_text(path, fix), path, fix, kind)
 
 
 def check_loaded(path, info: dict, fix: str, unexpected: bool = False) -> None:
@@ -66,12 +94,7 @@ def check_report(path, config) -> None:
     if not report.exists():
         check_mixer_block(path, {})
         return
-    try:
-        rep = json.loads(read_text(report, "convert again into a new --out"))
-    except NotRegularFile:
-        raise
-    except ValueError as e:
-        raise ValueError(f"{report} is not valid JSON ({e}); convert again into a new --out") from None
+    rep = read_json(report, "convert again into a new --out", object)
     name = getattr(config, "mixer", "gdn")
     args = rep.get("args") if isinstance(rep, dict) else None
     if not isinstance(rep, dict) or not isinstance(rep.get("layer_types", []), list) or \
@@ -95,7 +118,7 @@ def check_mixer_block(path, rep: dict) -> None:
     from taylor_calibrate.model.mixers import get_spec
 
     try:
-        cfg = json.loads((Path(path) / "config.json").read_text())
+        cfg = read_json(Path(path) / "config.json", "")
     except (OSError, ValueError):
         return  # the loader reports it
     if not isinstance(cfg, dict) or cfg.get("model_type") != "taylor_hybrid":
