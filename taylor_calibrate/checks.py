@@ -87,6 +87,12 @@ def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs:
         raise ValueError(f"{flag} is empty; pass a directory path")
     raw = Path(out).expanduser()
     if raw.is_symlink() and not raw.exists():
+        try:
+            os.stat(raw)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise FileNotFoundError(f"{flag} {out} is a link that leads back to itself (through "
+                                        f"{os.readlink(raw)}); pass a directory path") from None
         raise FileNotFoundError(f"{flag} {out} is a link to {os.readlink(raw)}, which does not exist; pass a directory "
                                 "path (or create the link's target)")
     path = raw.resolve()

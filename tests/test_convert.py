@@ -91,12 +91,23 @@ def test_cli_bad_input_is_a_clear_error(argv, match, capsys, tmp_path):
 
 
 def test_corrupt_checkpoint_is_named(tmp_path):
-    from taylor_calibrate.checkpoint import load_model
+    """A damaged config.json is named before the weights are read; damaged weights under a sound config are named as
+    such."""
+    from taylor_calibrate.checkpoint import load_model, save_hybrid
 
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "model.safetensors").write_bytes(b"\x00garbage")
+    from conftest import VOCAB, tiny_tokenizer
+    from test_export_qwen3_5 import tiny_hybrid
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text("{}")
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(ValueError, match="config.json gives no model_type"):
+        load_model(tmp_path / "a")
+    _, hybrid = tiny_hybrid(gdn_layers=(0, 1), vocab_size=VOCAB)
+    save_hybrid(hybrid, tiny_tokenizer(["some text to train on"]), tmp_path / "b")
+    (tmp_path / "b" / "model.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(ValueError, match="corrupt or truncated"):
-        load_model(tmp_path)
+        load_model(tmp_path / "b")
 
 
 def test_cli_records_the_command_line(monkeypatch):

@@ -172,6 +172,17 @@ def test_a_dangling_link_out_fails_before_any_work(tw):
     assert "loading teacher" not in log
 
 
+def test_a_link_loop_out_is_named_as_a_loop(tw):
+    root, teacher, corpus, hybrid = tw
+    a, b = root / "loop_a", root / "loop_b"
+    for link, target in ((a, b), (b, a)):
+        if not link.is_symlink():
+            link.symlink_to(target)
+    rc, log = main("convert", "--teacher", teacher, "--data.source", corpus, "--out", a)
+    fails((rc, log), "is a link that leads back to itself .*loop_b")
+    assert "does not exist" not in log and "loading teacher" not in log
+
+
 def test_export_hint_does_not_offer_overwrite(tw):
     root, teacher, corpus, hybrid = tw
     d = root / "full"
