@@ -8,15 +8,19 @@ Three steps, because the GPU machine has no network and no copy of this package'
   device (the H200; llama.cpp built by benchmarks/build_llamacpp.sh): the teacher requantised to the hybrid's
       weight type (f16) with llama-quantize, llama-perplexity on both, llama.cpp's own tokenisation and greedy tokens
       through llama-cpp-python's ctypes binding on the built library, and llama-batched-bench over context x parallel
-      sequences (prompt and decode tokens/s; KV and recurrent-state bytes from the context's own log).
+      sequences (prompt and decode tokens/s; KV and recurrent-state bytes from the context's own log); with
+      --probe_attention K ..., the same grid for probes of the hybrid's graph with K attention layers.
   collect (here): one results JSON (commit, dirty flag, args, environment) and a table.
 
-A fourth step runs on one machine (the CPU build is enough: benchmarks/build_llamacpp.sh SRC BUILD cpu):
+Two more run on one machine (the CPU build is enough: benchmarks/build_llamacpp.sh SRC BUILD cpu):
 
   bytes: held-out loss per byte through llama.cpp's own tokenisation against ours, for the teacher's GGUF beside our
       load of that teacher and / or a hybrid's GGUF export beside our class: llama-tokenize and llama-perplexity on
       the same held-out text file, our model scored the way llama-perplexity scores, nll / UTF-8 bytes of the scored
       tokens on each side, and whether the two tokenisations are the same ids.
+  probe: a hybrid's GGUF rewritten with another layer pattern, each layer's mixer copied from the first layer of its
+      kind: the weights mean nothing, the graph is llama.cpp's at that pattern, so its speed says what each kind of
+      layer costs in the engine.
 
   python benchmarks/serve_llamacpp.py prepare --hybrid runs/hybrid --stage STAGE
   python benchmarks/serve_llamacpp.py device --stage STAGE --build BUILD --out OUT      # on the GPU machine
@@ -32,6 +36,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -240,8 +245,18 @@ def run_device(a) -> None:
         _run([str(bin_ / "llama-quantize"), "--allow-requantize", str(a.teacher_gguf),
               str(models["teacher"]), "F16"], log, 300)
     res["teacher_requantised"] = f"{ours['teacher_gguf']['name']} -> F16 (llama-quantize --allow-requantize)"
-    res.setdefault("nvidia_smi", subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                                                 "--format=csv,noheader"], capture_output=True, text=True).stdout)
+    if a.probe_attention:  # speed probes: the hybrid's graph with k attention layers (0..k-1), weights copied
+        import gguf
+
+        n = len(gguf.GGUFReader(str(models["hybrid"])).fields["qwen35.attention.recurrent_layers"].contents())
+        for k in a.probe_attention:
+            path = stage / f"probe_a{k}.gguf"
+            if not path.exists():
+                layer_pattern_gguf(models["hybrid"], path, [i < k for i in range(n)])
+            models[f"probe_a{k}"] = path
+    if shutil.which("nvidia-smi"):  # a CPU build runs the same steps (probes, a quick check of the script)
+        res.setdefault("nvidia_smi", subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                                     "--format=csv,noheader"], capture_output=True, text=True).stdout)
     if "ppl" in a.parts:  # the served setting (f16 weights, f16 KV), then f32 KV, then f32 weights (fidelity)
         res.setdefault("ppl", {})
         variants = [("teacher", models["teacher"], False), ("hybrid", models["hybrid"], False),
@@ -407,6 +422,10 @@ def run_collect(a) -> None:
                                 if k.startswith(name + "@") and m.get("graph_splits") is not None})
                   for name in ("teacher", "hybrid")},
         "gen_tokens": a.gen_tokens,
+        "probes": {f"{g['model']}@{g['context']}": {"command": g["command"],
+                                "rows": [{"parallel": r["pl"], "decode_tok_s": r["speed_tg"], "prompt_tok_s": r["speed_pp"],
+                                          "decode_ms_per_step": 1000 * r["t_tg"] / r["tg"]} for r in g["rows"]]}
+                   for g in dev.get("grid", []) if g["model"].startswith("probe_")} or None,
         "not_run": a.not_run,
     }
     result = record(a.out, result, a, command=a.command)
@@ -685,6 +704,9 @@ def main(argv=None) -> None:
         s.add_argument("--parallel", type=int, nargs="+", default=[1, 8, 32])
         s.add_argument("--gen_tokens", type=int, default=128)
     d.add_argument("--cell_timeout", type=float, default=300)
+    d.add_argument("--probe_attention", type=int, nargs="*", default=[],
+                   help="also time probes of the hybrid's graph with K attention layers (and the rest GDN; K < layers: "
+                        "llama.cpp refuses a qwen35 model without a GDN layer), weights copied (`probe`)")
     c = sub.choices["collect"]
     c.add_argument("--ours", required=True, help="ours.json written by prepare")
     c.add_argument("--device_out", nargs="+", required=True, help="device step output folders (later ones fill in)")

@@ -122,3 +122,27 @@ def test_probe_rewrites_the_layer_pattern_with_each_kinds_tensors(tmp_path, atte
             from_layer = i if suffix in names(i, src_t) and suffix in names(donor[is_attn], src_t) else donor[not is_attn]
             assert (out_t[f"blk.{i}.{suffix}"].data == src_t[f"blk.{from_layer}.{suffix}"].data).all()
     assert all((out_t[k].data == t.data).all() for k, t in src_t.items() if not k.startswith("blk."))
+
+
+def test_collect_reports_the_grid_and_the_probes(tmp_path):
+    """`collect` on a device step's output: grid rows pair teacher and hybrid per context x parallel with their
+    ratio, and probe runs (`device --probe_attention`) come out per probe and context with the step time."""
+    mod = load_benchmark("serve_llamacpp")
+    row = lambda pl, tg, pp: {"pl": pl, "tg": 128, "t_tg": 128 * pl / tg, "speed_tg": tg, "speed_pp": pp}
+    dev = {"grid": [{"model": "teacher", "context": 4096, "command": "t", "rows": [row(1, 100.0, 1000.0)]},
+                    {"model": "hybrid", "context": 4096, "command": "h", "rows": [row(1, 150.0, 900.0)]},
+                    {"model": "probe_a29", "context": 4096, "command": "p", "rows": [row(1, 80.0, 950.0)]}]}
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "device.json").write_text(json.dumps(dev))
+    ours = {"hybrid_gguf": {"name": "model.gguf"}, "teacher_gguf": {"name": "t.gguf"}, "ctx": 1024, "new_tokens": 64,
+            "ppl": {"ppl": 3.0, "chunks": 32, "tokens": 16352, "loss_per_byte": 0.5, "scored_bytes": 40000}}
+    (tmp_path / "ours.json").write_text(json.dumps(ours))
+    out = tmp_path / "r.json"
+    mod.main(["collect", "--ours", str(tmp_path / "ours.json"), "--device_out", str(tmp_path / "dev"), "--out",
+              str(out), "--parallel", "1", "--shapes", json.dumps({"teacher": {}, "hybrid": {}})])
+    res = json.loads(out.read_text())
+    (cell,) = res["grid"]
+    assert (cell["context"], cell["parallel"], cell["teacher_decode_tok_s"], cell["hybrid_decode_tok_s"]) == \
+           (4096, 1, 100.0, 150.0) and cell["decode_speedup"] == pytest.approx(1.5)
+    (probe,) = res["probes"]["probe_a29@4096"]["rows"]
+    assert probe == {"parallel": 1, "decode_tok_s": 80.0, "prompt_tok_s": 950.0, "decode_ms_per_step": 12.5}
