@@ -16,6 +16,15 @@ if sys.argv[:1] == ["-m"] or sys.argv[0].endswith("taylor-calibrate"):
 
     sys.excepthook = _interrupted_while_starting
 
+    def _terminated_while_starting(signum, frame):
+        """SIGTERM before cli.main installs its own handler: one line and the usual 128 + 15, not a silent kill."""
+        print("taylor-calibrate: terminated while starting; nothing was written", file=sys.stderr)
+        sys.exit(128 + signum)
+
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminated_while_starting)
+
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from taylor_calibrate.model.hybrid import HybridForCausalLM, convert_teacher  # noqa: E402

@@ -88,14 +88,17 @@ def test_ctrl_c_and_sigterm_are_one_line(fw, sig, code):
     assert not out.exists() and not [q for q in root.iterdir() if q.name.startswith(f".{out.name}")]
 
 
-def test_ctrl_c_while_the_cli_is_still_importing_is_one_line():
-    """Before cli.main runs (torch and transformers take seconds to import) a Ctrl-C is one line too."""
+@pytest.mark.parametrize("sig, codes, what", [(signal.SIGINT, (-signal.SIGINT, 130), "interrupted"),
+                                              (signal.SIGTERM, (143,), "terminated")])
+def test_a_signal_while_the_cli_is_still_importing_is_one_line(sig, codes, what):
+    """Before cli.main runs (torch and transformers take seconds to import) a Ctrl-C or a SIGTERM is one line too
+    (a SIGTERM was a silent kill)."""
     p = subprocess.Popen(_cmd(["convert", "--help"]), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1.0)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     out, err = p.communicate(timeout=120)
-    assert p.returncode in (-signal.SIGINT, 130), err[-2000:]
-    assert "Traceback" not in err and err.strip() == "taylor-calibrate: interrupted while starting; nothing was written"
+    assert p.returncode in codes, err[-2000:]
+    assert "Traceback" not in err and err.strip() == f"taylor-calibrate: {what} while starting; nothing was written"
 
 
 # --- damaged files of ours -------------------------------------------------------------------------------------
