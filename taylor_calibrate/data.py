@@ -79,6 +79,7 @@ def load_documents(spec: CorpusSpec) -> list[tuple[str, str]]:
                 f"corpus source {source!r} does not exist; pass 'builtin', 'pysrc', a text file, a directory, "
                 "a .jsonl file, a datasets save_to_disk directory, or 'hf:<name>'"
             )
+        check_readable(path, source)
         if not (path.is_dir() or path.is_file()):
             raise ValueError(f"corpus source {source!r} is not a regular file or directory (a pipe, socket or device "
                              "cannot be read twice, as the split and the tokenizer need); save the text to a file and "
@@ -406,10 +407,18 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha1(json.dumps([vocab, tokenizer.eos_token_id, probe]).encode()).hexdigest()
 
 
+def check_readable(path: Path, source: str) -> None:
+    """A local corpus (or shard directory) this process cannot read fails here, naming it, not on a file inside it."""
+    if path.exists() and not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+        raise PermissionError(f"corpus source {source!r} cannot be read (permission denied); fix its permissions or "
+                              "pass a copy you can read")
+
+
 def is_token_dir(source: str) -> bool:
     """Whether `source` is a token-shard directory: its tokens.json is one `write_tokens` wrote, or shard files lie
     beside it (damaged shards, named by their reader). A corpus of the user's holding a tokens.json is a corpus."""
     path = Path(source).expanduser()
+    check_readable(path, source)
     return path.is_dir() and (path / TOKENS_META).exists() and (
         is_output_of(path, "tokenize") or any((path / f"{side}.bin").exists() for side in SIDES))
 

@@ -229,3 +229,27 @@ def test_report_out_under_a_file_is_one_line(r7):
     one_line(main("report", "--file", hybrid / "report.json", "--out", f / "r.md"),
              r"--out .*plain_file/r\.md lies under .*plain_file, which is a file; pass a path in a directory")
     assert f.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("command", ["tokenize", "convert"])
+def test_an_unreadable_corpus_is_named_not_a_file_inside_it(tmp_path, command):
+    """A corpus directory without read permission: the error names the corpus, not a tokens.json that does not exist
+    inside it (run without the capabilities that let root read through permission bits)."""
+    import subprocess
+
+    from test_reliability import ENV, _cmd, bound_by_permissions
+
+    prefix = bound_by_permissions()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text of the user's\n" * 50)
+    corpus.chmod(0)
+    try:
+        argv = [command, "--data.source", corpus, "--out", tmp_path / "out"]
+        argv += ["--device", "cpu"] if command == "convert" else []
+        r = subprocess.run([*prefix, *_cmd(argv)], env=ENV, capture_output=True, text=True, timeout=600)
+        one_line((r.returncode, r.stdout + r.stderr), r"corpus source .*corpus' cannot be read \(permission denied\)")
+        assert "tokens.json" not in r.stderr
+    finally:
+        corpus.chmod(0o755)
+    assert not (tmp_path / "out").exists()
