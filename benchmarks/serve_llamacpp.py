@@ -245,15 +245,11 @@ def run_device(a) -> None:
         _run([str(bin_ / "llama-quantize"), "--allow-requantize", str(a.teacher_gguf),
               str(models["teacher"]), "F16"], log, 300)
     res["teacher_requantised"] = f"{ours['teacher_gguf']['name']} -> F16 (llama-quantize --allow-requantize)"
-    if a.probe_attention:  # speed probes: the hybrid's graph with k attention layers (0..k-1), weights copied
-        import gguf
-
-        n = len(gguf.GGUFReader(str(models["hybrid"])).fields["qwen35.attention.recurrent_layers"].contents())
-        for k in a.probe_attention:
-            path = stage / f"probe_a{k}.gguf"
-            if not path.exists():
-                layer_pattern_gguf(models["hybrid"], path, [i < k for i in range(n)])
-            models[f"probe_a{k}"] = path
+    for k in a.probe_attention:  # speed probes: the hybrid's graph with k attention layers (0..k-1), weights copied
+        path = stage / f"probe_a{k}.gguf"
+        if not path.exists():
+            layer_pattern_gguf(models["hybrid"], path, lambda i, k=k: i < k)
+        models[f"probe_a{k}"] = path
     if shutil.which("nvidia-smi"):  # a CPU build runs the same steps (probes, a quick check of the script)
         res.setdefault("nvidia_smi", subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                                                      "--format=csv,noheader"], capture_output=True, text=True).stdout)
@@ -615,16 +611,18 @@ def run_bytes(a) -> None:
 
 # ------------------------------------------------------------------------------------------------------- probe
 
-def layer_pattern_gguf(src: Path, out: Path, attention: list[bool]) -> None:
-    """A speed probe: the hybrid GGUF `src` rewritten with another layer pattern (`attention[i]`: layer i attention),
+def layer_pattern_gguf(src: Path, out: Path, is_attention) -> int:
+    """A speed probe: the hybrid GGUF `src` rewritten with another layer pattern (`is_attention(i)`: layer i attention),
     each layer's mixer tensors copied from the first layer of that kind in `src`. The weights mean nothing; the
-    graph is llama.cpp's qwen35 at that pattern, so decode and prefill times say what each kind of layer costs."""
+    graph is llama.cpp's qwen35 at that pattern, so decode and prefill times say what each kind of layer costs.
+    Returns the number of attention layers written."""
     import gguf
 
     r = gguf.GGUFReader(str(src))
     arch = "qwen35"
     key = f"{arch}.attention.recurrent_layers"
     recurrent = list(r.fields[key].contents())
+    attention = [bool(is_attention(i)) for i in range(len(recurrent))]
     donor = {kind: recurrent.index(kind) for kind in (True, False)}  # first GDN layer, first attention layer
     w = gguf.GGUFWriter(str(out), arch)
     for name, f in r.fields.items():
@@ -657,18 +655,15 @@ def layer_pattern_gguf(src: Path, out: Path, attention: list[bool]) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return sum(attention)
 
 
 def run_probe(a) -> None:
-    src, out = Path(a.gguf), Path(a.out)
-    n = len(__import__("gguf").GGUFReader(str(src)).fields["qwen35.attention.recurrent_layers"].contents())
-    attention = {"all": [True] * n, "none": [False] * n}.get(a.attention)
-    if attention is None:
-        kept = {int(i) for i in a.attention.split(",")}
-        attention = [i in kept for i in range(n)]
+    kept = None if a.attention in ("all", "none") else {int(i) for i in a.attention.split(",")}
+    out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    layer_pattern_gguf(src, out, attention)
-    print(f"{out}: {sum(attention)} attention + {n - sum(attention)} GDN layers (speed probe; weights copied)")
+    k = layer_pattern_gguf(Path(a.gguf), out, lambda i: a.attention == "all" or (kept is not None and i in kept))
+    print(f"{out}: {k} attention layers, the rest GDN (speed probe; weights copied)")
 
 
 def _text_options(parser) -> None:

@@ -298,10 +298,15 @@ def _tokenizer(where: str, kw: dict):
 
 def load_tokenizer(spec: str = DEFAULT_TEACHER):
     """The tokenizer of a teacher spec (or of any checkpoint directory with tokenizer files, e.g. a hybrid)."""
-    from taylor_calibrate.checkpoint import tokenizer_error
-
     where, kw = _locate(spec)
     check_tokenizer_files(where, kw)
+    return _read_tokenizer(spec, where, kw)
+
+
+def _read_tokenizer(spec: str, where: str, kw: dict):
+    """`_tokenizer` of a located spec whose tokenizer files were checked; a damaged file is named with the spec."""
+    from taylor_calibrate.checkpoint import tokenizer_error
+
     try:
         return _tokenizer(where, kw)
     except Exception as e:  # a damaged tokenizer file surfaces as whatever its reader meets
@@ -362,7 +367,7 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
         raise ValueError(f"could not load teacher {spec!r} ({type(e).__name__}: {e}); check that its files are "
                          "complete (download them again)") from e
     if tokenizer is None:
-        tokenizer = load_tokenizer(spec)
+        tokenizer = _read_tokenizer(spec, where, kw)  # located and its files checked above
     # weights of layers the config does not have: a config.json of fewer layers than the checkpoint would load a
     # truncated teacher in silence (other unexpected keys, buffers of older checkpoints, are the library's to skip)
     info = {**info, "unexpected_keys": [k for k in info.get("unexpected_keys") or [] if ".layers." in k]}

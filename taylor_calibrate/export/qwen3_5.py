@@ -229,8 +229,6 @@ def qwen3_5_state_dict(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> dic
     return out
 
 
-
-
 def check_model_dir(path: Path) -> dict:
     """The config.json of a hybrid directory read as the loader reads it: the directory's JSON files regular files
     holding objects (a pipe would block the reader), the config the shape `convert` writes. Returns the config."""
