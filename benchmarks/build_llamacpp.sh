@@ -6,10 +6,14 @@
 #
 # SRC: the sdist's vendor/llama.cpp folder (or a tarball of it); BUILD: the build folder (created).
 # cuda builds for Hopper only (sm_90) to keep the build short. Writes BUILD/done when every target is built.
+# MASK_TIMER=1: llama.cpp's KQ-mask build timed and logged when LLAMA_MASK_TIME is set (serve_llamacpp.py mask_timer).
 set -euo pipefail
 src=$1; build=$2; backend=${3:-cuda}; jobs=${4:-$(nproc)}
 if [[ -f $src ]]; then  # a tarball of vendor/llama.cpp
     mkdir -p "$build/src" && tar xf "$src" -C "$build/src" && src=$(echo "$build"/src/*/)
+fi
+if [[ ${MASK_TIMER:-0} == 1 ]]; then
+    python3 "$(dirname "$0")/serve_llamacpp.py" mask_timer --src "$src"
 fi
 flags=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON)

@@ -20,11 +20,18 @@ Two more run on one machine (the CPU build is enough: benchmarks/build_llamacpp.
       tokens on each side, and whether the two tokenisations are the same ids.
   probe: a hybrid's GGUF rewritten with another layer pattern, each layer's mixer copied from the first layer of its
       kind: the weights mean nothing, the graph is llama.cpp's at that pattern, so its speed says what each kind of
-      layer costs in the engine.
+      layer costs in the engine. `--attention same` keeps the pattern (any GGUF, a teacher's too) and zeroes every
+      tensor, so a probe compresses to its metadata for the trip to a GPU machine.
+  mask_timer / steps: where a decode step's time goes. `mask_timer` turns on the timer llama.cpp keeps commented out
+      around its KQ-mask build (a CPU loop over every KV cell of every sequence, once per step), printed when
+      LLAMA_MASK_TIME is set (build_llamacpp.sh does it with MASK_TIMER=1; `device --mask_time` sets the variable);
+      `steps` reads the device log: per model, context and parallel count the decode step, the mask's share of it
+      and the rest, each against the teacher.
 
   python benchmarks/serve_llamacpp.py prepare --hybrid runs/hybrid --stage STAGE
   python benchmarks/serve_llamacpp.py device --stage STAGE --build BUILD --out OUT      # on the GPU machine
   python benchmarks/serve_llamacpp.py collect --ours STAGE/ours.json --device_out OUT --shapes JSON --out X.json
+  python benchmarks/serve_llamacpp.py steps --device_out OUT --out X.json
   python benchmarks/serve_llamacpp.py bytes --build BUILD --teacher smollm2-135m --hybrid runs/hybrid --stage STAGE \
       --out X.json
 """
@@ -230,6 +237,8 @@ def run_device(a) -> None:
     stage, build, out = Path(a.stage), Path(a.build), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ["SERVE_STAGE"] = str(stage)
+    if a.mask_time:  # a build with mask_timer prints each KQ-mask build's time (the `steps` step reads them)
+        os.environ["LLAMA_MASK_TIME"] = "1"
     log = out / "llama_log.txt"
     ours = json.loads((stage / "ours.json").read_text())
     bin_ = build / "bin"
@@ -304,6 +313,87 @@ def run_device(a) -> None:
                 save()
     save()
     print(json.dumps({k: v for k, v in res.items() if k != "checks"}, indent=1)[:6000])
+
+
+# --------------------------------------------------------------------------------------------- mask_timer, steps
+
+MASK_TIMER = {  # llama.cpp's own commented-out timer around set_input_kq_mask, switched on by an environment variable
+    "    //const int64_t t_start = ggml_time_us();\n": "    const int64_t t_start = ggml_time_us();\n",
+    "    //const int64_t t_end = ggml_time_us();\n": "    const int64_t t_end = ggml_time_us();\n",
+    '    //LLAMA_LOG_ERROR("%s: kq mask time: %0.3f ms\\n", __func__, (t_end - t_start)/1000.0);\n':
+        '    static const bool mask_time = getenv("LLAMA_MASK_TIME") != nullptr;\n'
+        '    if (mask_time) LLAMA_LOG_ERROR("%s: kq mask time: %0.3f ms n_kv %lld n_tokens %u\\n", __func__, '
+        '(t_end - t_start)/1000.0, (long long) n_kv, n_tokens);\n',
+}
+MASK_LINE = re.compile(r"kq mask time: ([\d.]+) ms n_kv (\d+) n_tokens (\d+)")
+
+
+def run_mask_timer(a) -> None:
+    path = Path(a.src) / "src" / "llama-kv-cache.cpp"
+    text = path.read_text()
+    if all(new in text for new in MASK_TIMER.values()):
+        print(f"{path}: mask timer already on")
+        return
+    missing = [old.strip() for old in MASK_TIMER if text.count(old) != 1]
+    if missing:
+        sys.exit(f"error: {path} does not hold llama.cpp's commented-out mask timer ({missing[0]!r}); "
+                 "this llama.cpp version needs another patch")
+    for old, new in MASK_TIMER.items():
+        text = text.replace(old, new)
+    path.write_text(text)
+    print(f"{path}: mask timer on (prints when LLAMA_MASK_TIME is set)")
+
+
+def decode_steps(log: str) -> list[dict]:
+    """Per llama-batched-bench run in a device log and per parallel count: the decode step (t_tg / tg) and the mean
+    KQ-mask build time of its decode steps: the last tg mask lines with n_tokens == the parallel count (the log holds
+    the run's stdout, its rows, before its stderr, the mask lines; prefill builds masks for whole micro-batches)."""
+    out = []
+    for chunk in ("\n" + log).split("\n$ ")[1:]:
+        head = chunk.split("\n", 1)[0]
+        m = re.search(r"llama-batched-bench -m (\S+)", head)
+        if not m:
+            continue
+        path = Path(m.group(1))  # STAGE/teacher_f16.gguf, STAGE/hybrid_gguf/model.gguf, STAGE/probe_aK.gguf
+        model = path.parent.name.removesuffix("_gguf") if path.stem == "model" else path.stem
+        masks = [(float(mm.group(1)), int(mm.group(3))) for mm in MASK_LINE.finditer(chunk)]
+        for line in chunk.splitlines():
+            if not line.startswith('{"n_kv_max"'):
+                continue
+            r = json.loads(line)
+            dec = [ms for ms, n in masks if n == r["pl"]][-r["tg"]:] if r["tg"] else []
+            step = 1000 * r["t_tg"] / r["tg"] if r["tg"] else None
+            mask = sum(dec) / len(dec) if dec else None
+            out.append({"model": model, "context": r["pp"], "parallel": r["pl"], "decode_ms_per_step": step,
+                        "mask_ms_per_step": mask, "mask_steps": len(dec),
+                        "step_less_mask_ms": step - mask if step is not None and mask is not None else None,
+                        "decode_tok_s": r["speed_tg"], "command": head})
+    return out
+
+
+def run_steps(a) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from taylor_calibrate.results import record
+
+    _, logs = _merged(a.device_out)
+    rows = decode_steps(logs)
+    if not rows:
+        sys.exit("error: no llama-batched-bench rows in the device logs; run the device step's grid first")
+    teacher = {(r["context"], r["parallel"]): r for r in rows if r["model"].startswith("teacher")}
+    for r in rows:
+        t = teacher.get((r["context"], r["parallel"]))
+        r["speedup"] = t["decode_ms_per_step"] / r["decode_ms_per_step"] if t else None
+        r["speedup_less_mask"] = (t["step_less_mask_ms"] / r["step_less_mask_ms"]
+                                  if t and t["step_less_mask_ms"] and r["step_less_mask_ms"] else None)
+    result = record(a.out, {"engine": "llama.cpp (CUDA) with benchmarks/serve_llamacpp.py's mask_timer", "version":
+                            a.engine_version, "rows": rows, "note": a.note}, a, command=a.command)
+    print("| model | context | parallel | step ms | mask ms | step - mask ms | x teacher | x teacher, less mask |")
+    print("|" + "---|" * 8)
+    f = lambda v, spec=".2f": "-" if v is None else format(v, spec)
+    for r in result["rows"]:
+        print(f"| {r['model']} | {r['context']} | {r['parallel']} | {f(r['decode_ms_per_step'])} | "
+              f"{f(r['mask_ms_per_step'])} | {f(r['step_less_mask_ms'])} | {f(r['speedup'])} | "
+              f"{f(r['speedup_less_mask'])} |")
 
 
 # ----------------------------------------------------------------------------------------------------- collect
@@ -658,10 +748,35 @@ def layer_pattern_gguf(src: Path, out: Path, is_attention) -> int:
     return sum(attention)
 
 
+def zero_gguf(src: Path, out: Path) -> int:
+    """`src` with every tensor's bytes zero: same metadata, names, shapes and types. Speed probes only (llama.cpp's
+    kernels do not branch on weight values); such a file compresses to its metadata, so it travels to a GPU machine
+    in one call. Returns the number of tensors."""
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(out), r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        w.add_key_value(name, f.contents(), f.types[0], f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.zeros_like(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return len(r.tensors)
+
+
 def run_probe(a) -> None:
-    kept = None if a.attention in ("all", "none") else {int(i) for i in a.attention.split(",")}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if a.attention == "same":
+        print(f"{out}: {zero_gguf(Path(a.gguf), out)} tensors, every one zero (speed probe)")
+        return
+    kept = None if a.attention in ("all", "none") else {int(i) for i in a.attention.split(",")}
     k = layer_pattern_gguf(Path(a.gguf), out, lambda i: a.attention == "all" or (kept is not None and i in kept))
     print(f"{out}: {k} attention layers, the rest GDN (speed probe; weights copied)")
 
@@ -699,6 +814,7 @@ def main(argv=None) -> None:
         s.add_argument("--parallel", type=int, nargs="+", default=[1, 8, 32])
         s.add_argument("--gen_tokens", type=int, default=128)
     d.add_argument("--cell_timeout", type=float, default=300)
+    d.add_argument("--mask_time", action="store_true", help="log llama.cpp's KQ-mask build times (a mask_timer build)")
     d.add_argument("--probe_attention", type=int, nargs="*", default=[],
                    help="also time probes of the hybrid's graph with K attention layers (and the rest GDN; K < layers: "
                         "llama.cpp refuses a qwen35 model without a GDN layer), weights copied (`probe`)")
@@ -731,13 +847,22 @@ def main(argv=None) -> None:
     b.add_argument("--engine_version", default="")
     b.add_argument("--convert_command", default="")
     b.add_argument("--command", default=None, help="the command lines that produced the inputs, for the record")
+    mt = sub.add_parser("mask_timer")
+    mt.add_argument("--src", required=True, help="llama.cpp's source folder (patched in place)")
+    st = sub.add_parser("steps")
+    st.add_argument("--device_out", nargs="+", required=True, help="device step output folders (run with --mask_time)")
+    st.add_argument("--out", required=True)
+    st.add_argument("--engine_version", default="")
+    st.add_argument("--command", default=None, help="the command lines that produced the inputs, for the record")
+    st.add_argument("--note", default="")
     pr = sub.add_parser("probe")
-    pr.add_argument("--gguf", required=True, help="a hybrid's qwen35 GGUF (export --format gguf)")
-    pr.add_argument("--attention", required=True, help='"all", "none", or the attention layers, comma-separated')
+    pr.add_argument("--gguf", required=True, help="a hybrid's qwen35 GGUF (export --format gguf); with 'same', any GGUF")
+    pr.add_argument("--attention", required=True, help='"all", "none", the attention layers comma-separated, or '
+                    '"same": the GGUF as it is with every tensor zero (compresses to its metadata, for carrying)')
     pr.add_argument("--out", required=True)
     a = p.parse_args(argv)
     {"prepare": run_prepare, "device": run_device, "collect": run_collect, "bytes": run_bytes,
-     "probe": run_probe}[a.step](a)
+     "probe": run_probe, "mask_timer": run_mask_timer, "steps": run_steps}[a.step](a)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from taylor_calibrate.checkpoint import save_hybrid
@@ -146,3 +147,80 @@ def test_collect_reports_the_grid_and_the_probes(tmp_path):
            (4096, 1, 100.0, 150.0) and cell["decode_speedup"] == pytest.approx(1.5)
     (probe,) = res["probes"]["probe_a29@4096"]["rows"]
     assert probe == {"parallel": 1, "decode_tok_s": 80.0, "prompt_tok_s": 950.0, "decode_ms_per_step": 12.5}
+
+
+KV_CACHE_TIMER = """void llama_kv_cache::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, bool causal_attn) const {
+    //const int64_t t_start = ggml_time_us();
+
+    set_input_kq_mask_impl(args, data);
+
+    //const int64_t t_end = ggml_time_us();
+
+    //LLAMA_LOG_ERROR("%s: kq mask time: %0.3f ms\\n", __func__, (t_end - t_start)/1000.0);
+}
+"""
+
+
+def test_mask_timer_switches_on_llama_cpps_commented_timer_once(tmp_path, capsys):
+    mod = load_benchmark("serve_llamacpp")
+    src = tmp_path / "llama.cpp" / "src" / "llama-kv-cache.cpp"
+    src.parent.mkdir(parents=True)
+    src.write_text(KV_CACHE_TIMER)
+    mod.main(["mask_timer", "--src", str(src.parents[1])])
+    text = src.read_text()
+    assert "    const int64_t t_start = ggml_time_us();" in text and "//" not in text
+    assert 'getenv("LLAMA_MASK_TIME")' in text and "n_kv %lld n_tokens %u" in text
+    mod.main(["mask_timer", "--src", str(src.parents[1])])  # a second run leaves it as it is
+    assert src.read_text() == text and "already on" in capsys.readouterr().out
+    src.write_text("void f() {}\n")  # another llama.cpp version: named, not half-patched
+    with pytest.raises(SystemExit, match="does not hold llama.cpp's commented-out mask timer"):
+        mod.main(["mask_timer", "--src", str(src.parents[1])])
+    assert src.read_text() == "void f() {}\n"
+
+
+def test_steps_splits_each_decode_step_into_mask_and_the_rest(tmp_path):
+    """`steps` on a device log: per run and parallel count the decode step (t_tg / tg), the mean of the last tg mask
+    builds with n_tokens == parallel (stderr follows the rows in the log; prefill masks are whole micro-batches),
+    and both ratios to the teacher."""
+    mod = load_benchmark("serve_llamacpp")
+
+    def run(model, step_ms, mask_ms, tg=2, pl=4):
+        row = {"n_kv_max": 1, "pp": 64, "tg": tg, "pl": pl, "t_tg": tg * step_ms / 1000, "speed_tg": 1000 * pl / step_ms}
+        masks = [f"0.01 E set_input_kq_mask: kq mask time: 9.000 ms n_kv 256 n_tokens 512"]  # prefill
+        masks += [f"0.02 E set_input_kq_mask: kq mask time: {m:.3f} ms n_kv 256 n_tokens {pl}" for m in mask_ms]
+        return f"$ build/bin/llama-batched-bench -m {model} -c 272 -npp 64\n{json.dumps(row)}\n" + "\n".join(masks) + \
+               "\n# rc=0 seconds=1.0\n"
+
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "device.json").write_text("{}")
+    (tmp_path / "dev" / "llama_log.txt").write_text(
+        run("stage/teacher_f16.gguf", 10.0, [5.0, 4.0, 4.0]) + run("stage/hybrid_gguf/model.gguf", 6.0, [4.0, 4.0]))
+    out = tmp_path / "steps.json"
+    mod.main(["steps", "--device_out", str(tmp_path / "dev"), "--out", str(out)])
+    teacher, hybrid = json.loads(out.read_text())["rows"]
+    assert (teacher["model"], teacher["decode_ms_per_step"], teacher["mask_ms_per_step"], teacher["mask_steps"]) == \
+           ("teacher_f16", pytest.approx(10.0), pytest.approx(4.0), 2)
+    assert hybrid["model"] == "hybrid" and hybrid["step_less_mask_ms"] == pytest.approx(2.0)
+    assert hybrid["speedup"] == pytest.approx(10 / 6) and hybrid["speedup_less_mask"] == pytest.approx(3.0)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "device.json").write_text("{}")
+    with pytest.raises(SystemExit, match="no llama-batched-bench rows"):
+        mod.main(["steps", "--device_out", str(empty), "--out", str(tmp_path / "none.json")])
+
+
+def test_probe_same_zeroes_every_tensor_and_keeps_the_rest(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    mod = load_benchmark("serve_llamacpp")
+    src = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(src), "llama")
+    w.add_block_count(2)
+    w.add_tensor("token_embd.weight", (np.arange(12, dtype=np.float32) + 1).reshape(3, 4))
+    w.add_tensor("blk.0.attn_q.weight", np.ones((4, 4), dtype=np.float16))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    out = tmp_path / "z.gguf"
+    mod.main(["probe", "--gguf", str(src), "--attention", "same", "--out", str(out)])
+    a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(out))
+    assert [(t.name, t.tensor_type, tuple(t.shape)) for t in a.tensors] == [(t.name, t.tensor_type, tuple(t.shape)) for t in b.tensors]
+    assert all(not t.data.any() for t in b.tensors) and b.fields["llama.block_count"].contents() == 2
+    assert b.fields["general.architecture"].contents() == "llama"
