@@ -31,7 +31,7 @@ import math
 import os
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -142,6 +142,21 @@ def compile_layers(*models) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(layers))
     for layer in layers:
         layer.compile()
+
+
+@contextmanager
+def eager_layers(*models):
+    """Run `compile_layers`'s layers eagerly inside the block, compiled again after: the held-out evaluation (no grad,
+    eval mode, its own batch) would otherwise compile a second set of graphs for every kind of layer, which on a
+    fresh machine costs more than the evaluations' eager forwards over a whole run."""
+    saved = [(layer, layer._compiled_call_impl) for m in models for layer in m.model.layers]
+    for layer, _ in saved:
+        layer._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for layer, impl in saved:
+            layer._compiled_call_impl = impl
 
 
 def uncompile_layers(*models) -> None:
@@ -805,9 +820,14 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     metrics = Metrics(out / METRICS, start, ctx.main)
     extra = {"steps": steps, "tokens_per_step": tokens_per_step, "identity": identity}
 
+    seconds = {"eval_s": 0.0, "first_step_s": None}  # where the wall time goes besides the timed steps
+
     def evaluate(step):
-        rec = {"step": step, "tokens": step * tokens_per_step, **heldout_eval(model, teacher, heldout, eval_batch_size,
-                                                                               ctx, device, args.kl_chunk, kernel)}
+        t = time.perf_counter()
+        with eager_layers(*to_compile) if compiled else nullcontext():
+            res = heldout_eval(model, teacher, heldout, eval_batch_size, ctx, device, args.kl_chunk, kernel)
+        seconds["eval_s"] += time.perf_counter() - t
+        rec = {"step": step, "tokens": step * tokens_per_step, **res}
         if not math.isfinite(rec["heldout_loss"]):
             raise RuntimeError(f"{desc}: the held-out loss is {rec['heldout_loss']} at step {step}: the student's "
                                "outputs are not finite; lower --train.lr (checkpoints before this step are kept)")
@@ -825,6 +845,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     bar = tqdm(range(start + 1, steps + 1), desc=desc, disable=not ctx.main, unit="step", leave=False)
     clock = Clock(device)
     stop = False
+    t_first = time.perf_counter()
     for step in bar:
         factor = warmup_cosine(step, steps, sched.warmup_steps)
         for g in opt.param_groups:
@@ -836,6 +857,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         opt.zero_grad(set_to_none=True)
         if step == start + 1:  # the first step after a (re)start pays compilation and warm-up: not timed
             clock.start()
+            seconds["first_step_s"] = clock.t0 - t_first
         if step % args.log_every == 0 or step == steps:
             keys = sorted(sums)
             last = {k: v / ctx.world for k, v in zip(keys, all_sum([float(sums[k]) for k in keys], ctx, device))}
@@ -873,6 +895,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     done = step if stop else steps
     report = run_report(student, teacher, trained, args, sched, seq, ctx, device, metrics, start,
                         clock.rate((done - start - 1) * tokens_per_step))
+    report.update(seconds)
     if stop:
         report["stopped_at"] = step
     return report
