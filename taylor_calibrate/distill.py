@@ -31,7 +31,7 @@ import math
 import os
 import shutil
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -142,21 +142,6 @@ def compile_layers(*models) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(layers))
     for layer in layers:
         layer.compile()
-
-
-@contextmanager
-def eager_layers(*models):
-    """Run `compile_layers`'s layers eagerly inside the block, compiled again after: the held-out evaluation (no grad,
-    eval mode, its own batch) would otherwise compile a second set of graphs for every kind of layer, which on a
-    fresh machine costs more than the evaluations' eager forwards over a whole run."""
-    saved = [(layer, layer._compiled_call_impl) for m in models for layer in m.model.layers]
-    for layer, _ in saved:
-        layer._compiled_call_impl = None
-    try:
-        yield
-    finally:
-        for layer, impl in saved:
-            layer._compiled_call_impl = impl
 
 
 def uncompile_layers(*models) -> None:
@@ -824,8 +809,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
 
     def evaluate(step):
         t = time.perf_counter()
-        with eager_layers(*to_compile) if compiled else nullcontext():
-            res = heldout_eval(model, teacher, heldout, eval_batch_size, ctx, device, args.kl_chunk, kernel)
+        res = heldout_eval(model, teacher, heldout, eval_batch_size, ctx, device, args.kl_chunk, kernel)
         seconds["eval_s"] += time.perf_counter() - t
         rec = {"step": step, "tokens": step * tokens_per_step, **res}
         if not math.isfinite(rec["heldout_loss"]):

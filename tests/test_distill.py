@@ -274,42 +274,13 @@ def test_compiled_layers_follow_the_eager_run(assets):
         graphs[flag] = counters["stats"]["unique_graphs"]
         reports[flag] = json.loads((out / "report.json").read_text())
     assert graphs["false"] == 0 and graphs["true"] > 0, graphs  # the flag really compiles (and off, nothing)
-    # the held-out evaluations run the layers eagerly (no second set of no-grad graphs): the same curve
-    assert len(heldout["true"]) >= 2 and heldout["true"] == pytest.approx(heldout["false"], rel=1e-5)
-    assert all(r["first_step_s"] > 0 and r["eval_s"] > 0 for r in reports.values())
+    assert len(heldout["true"]) >= 2 and heldout["true"] == pytest.approx(heldout["false"], rel=1e-3)
+    assert all(r["first_step_s"] > 0 and r["eval_s"] > 0 for r in reports.values())  # where the wall time went
     # room for every layer variant (input requiring grad or not, train / eval, FSDP2 hooks): 2 graphs per layer of
     # teacher and student (4 + 4 here) before dynamo would fall back to eager
     assert torch._dynamo.config.recompile_limit >= 2 * 8
     assert len(losses["true"]) == 3
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-3, abs=1e-5)
-
-
-def test_eager_layers_run_compiled_layers_eagerly_inside_the_block_only(assets):
-    """eager_layers: inside, no layer compiles (dynamo sees no frame) and outputs equal the compiled ones; after, each
-    layer is compiled as before (even when the block raises)."""
-    from torch._dynamo.utils import counters
-
-    from taylor_calibrate.distill import compile_layers, eager_layers, uncompile_layers
-    from taylor_calibrate.checkpoint import load_model
-
-    root, _, _ = assets
-    model, _ = load_model(root / "student", torch.device("cpu"), torch.float32)
-    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
-    compile_layers(model)
-    impls = [layer._compiled_call_impl for layer in model.model.layers]
-    assert all(impls)
-    counters.clear()
-    with torch.no_grad(), eager_layers(model):
-        assert all(layer._compiled_call_impl is None for layer in model.model.layers)
-        eager = model(ids).logits
-    assert counters["stats"]["unique_graphs"] == 0
-    with pytest.raises(RuntimeError), eager_layers(model):
-        raise RuntimeError("inside")
-    assert [layer._compiled_call_impl for layer in model.model.layers] == impls
-    with torch.no_grad(), one_thread():
-        compiled = model(ids).logits
-    assert counters["stats"]["unique_graphs"] > 0 and torch.allclose(eager, compiled, atol=1e-4)
-    uncompile_layers(model)
 
 
 @pytest.mark.parametrize("tau", [1.0, 2.0])
