@@ -69,6 +69,13 @@ def test_a_full_disk_while_distill_checkpoints_is_one_line_and_leaves_nothing(fw
     assert not list((out / "checkpoints").glob("*")) if (out / "checkpoints").exists() else True
 
 
+def _as_from_a_shell() -> None:
+    """The child starts with SIGINT at its default, as a command typed in a shell does. A child inherits an ignored
+    SIGINT (POSIX: a non-interactive shell's background jobs, and this test's pytest-xdist worker once something in the
+    suite has ignored it), and Python then never raises KeyboardInterrupt: the Ctrl-C under test would not arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_and_sigterm_are_one_line(fw, sig, code):
     """A SIGTERM (`kill`, a scheduler's time limit) ended the process on the spot: no line, and no cleanup of what a
@@ -76,7 +83,8 @@ def test_ctrl_c_and_sigterm_are_one_line(fw, sig, code):
     root, teacher, corpus, hybrid = fw
     out = root / f"interrupted_{sig.name}"
     p = subprocess.Popen(_cmd(["convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", out]),
-                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=_as_from_a_shell)
     log = ""
     deadline = time.time() + 300
     while "loading teacher" not in log and time.time() < deadline:
@@ -93,7 +101,8 @@ def test_ctrl_c_and_sigterm_are_one_line(fw, sig, code):
 def test_a_signal_while_the_cli_is_still_importing_is_one_line(sig, codes, what):
     """Before cli.main runs (torch and transformers take seconds to import) a Ctrl-C or a SIGTERM is one line too
     (a SIGTERM was a silent kill)."""
-    p = subprocess.Popen(_cmd(["convert", "--help"]), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(_cmd(["convert", "--help"]), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_as_from_a_shell)
     time.sleep(1.0)
     p.send_signal(sig)
     out, err = p.communicate(timeout=120)
