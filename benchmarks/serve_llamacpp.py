@@ -436,6 +436,7 @@ def run_collect(a) -> None:
         n_kv[(name, int(m.group(2)), int(m.group(3)))] = int(m.group(4))
     grid = []
     runs = {(g["model"], g["context"]): g for g in dev.get("grid", [])}
+    steps = {(r["model"].removesuffix("_f16"), r["context"], r["parallel"]): r for r in decode_steps(logs)}
     for ctx in sorted({g["context"] for g in dev.get("grid", [])}):
         for pl in a.parallel:
             row = {"context": ctx, "parallel": pl}
@@ -443,6 +444,8 @@ def run_collect(a) -> None:
                 r = next((r for r in (runs.get((name, ctx)) or {}).get("rows", []) if r["pl"] == pl), None)
                 row[f"{name}_decode_tok_s"] = r["speed_tg"] if r else None
                 row[f"{name}_prompt_tok_s"] = r["speed_pp"] if r else None
+                # a device step run with --mask_time on a mask_timer build: the CPU mask's share of a decode step
+                row[f"{name}_decode_mask_ms"] = (steps.get((name, ctx, pl)) or {}).get("mask_ms_per_step")
                 cells = n_kv.get((name, pl * (ctx + a.gen_tokens), pl))
                 mem = cache_bytes(shapes[name], cells, pl) if cells else None
                 own = dev.get("memory", {}).get(f"{name}@{ctx}x{pl}") or {}

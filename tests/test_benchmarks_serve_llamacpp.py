@@ -147,9 +147,22 @@ def test_collect_reports_the_grid_and_the_probes(tmp_path):
            (4096, 1, 100.0, 150.0) and cell["decode_speedup"] == pytest.approx(1.5)
     (probe,) = res["probes"]["probe_a29@4096"]["rows"]
     assert probe == {"parallel": 1, "decode_tok_s": 80.0, "prompt_tok_s": 950.0, "decode_ms_per_step": 12.5}
+    assert cell["teacher_decode_mask_ms"] is None  # no log: a build without mask_timer
+    # with a mask_timer build's log, each cell carries the CPU mask's share of a decode step
+    def bench(path, tg, pl, ms):
+        masks = [f"E set_input_kq_mask: kq mask time: {ms} ms n_kv 4352 n_tokens {pl}"] * 128
+        rows = json.dumps({"n_kv_max": 1, **row(pl, tg, 1.0), "pp": 4096})
+        return f"$ bin/llama-batched-bench -m {path} -c 2\n{rows}\n" + "\n".join(masks) + "\n"
+
+    (tmp_path / "dev" / "llama_log.txt").write_text(bench("stage/teacher_f16.gguf", 100.0, 1, 0.5) +
+                                                    bench("stage/hybrid_gguf/model.gguf", 150.0, 1, 0.25))
+    mod.main(["collect", "--ours", str(tmp_path / "ours.json"), "--device_out", str(tmp_path / "dev"), "--out",
+              str(out), "--parallel", "1", "--shapes", json.dumps({"teacher": {}, "hybrid": {}})])
+    (cell,) = json.loads(out.read_text())["grid"]
+    assert (cell["teacher_decode_mask_ms"], cell["hybrid_decode_mask_ms"]) == (0.5, 0.25)
 
 
-KV_CACHE_TIMER = """void llama_kv_cache::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, bool causal_attn) const {
+KV_CACHE_TIMER = """void llama_kv_cache::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, bool causal) const {
     //const int64_t t_start = ggml_time_us();
 
     set_input_kq_mask_impl(args, data);
@@ -185,7 +198,8 @@ def test_steps_splits_each_decode_step_into_mask_and_the_rest(tmp_path):
     mod = load_benchmark("serve_llamacpp")
 
     def run(model, step_ms, mask_ms, tg=2, pl=4):
-        row = {"n_kv_max": 1, "pp": 64, "tg": tg, "pl": pl, "t_tg": tg * step_ms / 1000, "speed_tg": 1000 * pl / step_ms}
+        row = {"n_kv_max": 1, "pp": 64, "tg": tg, "pl": pl, "t_tg": tg * step_ms / 1000,
+               "speed_tg": 1000 * pl / step_ms}
         masks = [f"0.01 E set_input_kq_mask: kq mask time: 9.000 ms n_kv 256 n_tokens 512"]  # prefill
         masks += [f"0.02 E set_input_kq_mask: kq mask time: {m:.3f} ms n_kv 256 n_tokens {pl}" for m in mask_ms]
         return f"$ build/bin/llama-batched-bench -m {model} -c 272 -npp 64\n{json.dumps(row)}\n" + "\n".join(masks) + \
@@ -221,6 +235,7 @@ def test_probe_same_zeroes_every_tensor_and_keeps_the_rest(tmp_path):
     out = tmp_path / "z.gguf"
     mod.main(["probe", "--gguf", str(src), "--attention", "same", "--out", str(out)])
     a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(out))
-    assert [(t.name, t.tensor_type, tuple(t.shape)) for t in a.tensors] == [(t.name, t.tensor_type, tuple(t.shape)) for t in b.tensors]
+    kinds = lambda r: [(t.name, t.tensor_type, tuple(t.shape)) for t in r.tensors]
+    assert kinds(a) == kinds(b)
     assert all(not t.data.any() for t in b.tensors) and b.fields["llama.block_count"].contents() == 2
     assert b.fields["general.architecture"].contents() == "llama"
