@@ -859,7 +859,8 @@ def main(argv=None) -> None:
     st.add_argument("--command", default=None, help="the command lines that produced the inputs, for the record")
     st.add_argument("--note", default="")
     pr = sub.add_parser("probe")
-    pr.add_argument("--gguf", required=True, help="a hybrid's qwen35 GGUF (export --format gguf); with 'same', any GGUF")
+    pr.add_argument("--gguf", required=True,
+                    help="a hybrid's qwen35 GGUF (export --format gguf); with --attention same, any GGUF")
     pr.add_argument("--attention", required=True, help='"all", "none", the attention layers comma-separated, or '
                     '"same": the GGUF as it is with every tensor zero (compresses to its metadata, for carrying)')
     pr.add_argument("--out", required=True)

@@ -162,7 +162,7 @@ def test_collect_reports_the_grid_and_the_probes(tmp_path):
     assert (cell["teacher_decode_mask_ms"], cell["hybrid_decode_mask_ms"]) == (0.5, 0.25)
 
 
-KV_CACHE_TIMER = """void llama_kv_cache::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, bool causal) const {
+KV_CACHE_TIMER = """void llama_kv_cache::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ub, bool causal) const {
     //const int64_t t_start = ggml_time_us();
 
     set_input_kq_mask_impl(args, data);
