@@ -71,8 +71,8 @@ def test_a_full_disk_while_distill_checkpoints_is_one_line_and_leaves_nothing(fw
 
 def _as_from_a_shell() -> None:
     """The child starts with SIGINT at its default, as a command typed in a shell does. A child inherits an ignored
-    SIGINT (POSIX: a non-interactive shell's background jobs, and this test's pytest-xdist worker once something in the
-    suite has ignored it), and Python then never raises KeyboardInterrupt: the Ctrl-C under test would not arrive."""
+    SIGINT (POSIX: a non-interactive shell starts its background jobs so, e.g. this suite run with `... &`), and
+    Python then never raises KeyboardInterrupt: the Ctrl-C under test would not arrive."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
