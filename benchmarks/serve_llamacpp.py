@@ -704,6 +704,28 @@ def run_bytes(a) -> None:
 
 # ------------------------------------------------------------------------------------------------------- probe
 
+def rewrite_gguf(r, out: Path, tensors, fields: dict | None = None) -> None:
+    """Write `out`: the metadata of the GGUFReader `r` (each key in `fields` given that value, a list of bools) and
+    `tensors`, an iterable of (name, data, tensor type)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(out), r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if fields and name in fields:
+            w.add_key_value(name, fields[name], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)
+            continue
+        vtype = f.types[0]
+        w.add_key_value(name, f.contents(), vtype, f.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for name, data, kind in tensors:
+        w.add_tensor(name, data, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def layer_pattern_gguf(src: Path, out: Path, is_attention) -> int:
     """A speed probe: the hybrid GGUF `src` rewritten with another layer pattern (`is_attention(i)`: layer i attention),
     each layer's mixer tensors copied from the first layer of that kind in `src`. The weights mean nothing; the
@@ -712,21 +734,10 @@ def layer_pattern_gguf(src: Path, out: Path, is_attention) -> int:
     import gguf
 
     r = gguf.GGUFReader(str(src))
-    arch = "qwen35"
-    key = f"{arch}.attention.recurrent_layers"
+    key = "qwen35.attention.recurrent_layers"
     recurrent = list(r.fields[key].contents())
     attention = [bool(is_attention(i)) for i in range(len(recurrent))]
     donor = {kind: recurrent.index(kind) for kind in (True, False)}  # first GDN layer, first attention layer
-    w = gguf.GGUFWriter(str(out), arch)
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        if name == key:
-            w.add_key_value(name, [not a for a in attention], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)
-            continue
-        vtype = f.types[0]
-        sub = f.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(name, f.contents(), vtype, sub)
     tensors = {t.name: t for t in r.tensors}
     mixer = {True: set(), False: set()}  # per-layer tensor suffixes of each kind (norms and MLP are in every layer)
     for t in r.tensors:
@@ -734,20 +745,12 @@ def layer_pattern_gguf(src: Path, out: Path, is_attention) -> int:
         if m:
             mixer[recurrent[int(m.group(1))]].add(m.group(2))
     shared = mixer[True] & mixer[False]
-    for t in r.tensors:
-        m = re.match(r"blk\.(\d+)\.(.+)$", t.name)
-        if m and m.group(2) not in shared:
-            continue
-        w.add_tensor(t.name, t.data, raw_shape=None, raw_dtype=t.tensor_type)
-    for i, is_attn in enumerate(attention):
-        kind = not is_attn
-        for suffix in sorted(mixer[kind] - shared):
-            t = tensors[f"blk.{donor[kind]}.{suffix}"]
-            w.add_tensor(f"blk.{i}.{suffix}", t.data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    kept = [(t.name, t.data, t.tensor_type) for t in r.tensors
+            if not (m := re.match(r"blk\.(\d+)\.(.+)$", t.name)) or m.group(2) in shared]
+    copied = [(f"blk.{i}.{suffix}", tensors[f"blk.{donor[not a]}.{suffix}"].data,
+               tensors[f"blk.{donor[not a]}.{suffix}"].tensor_type)
+              for i, a in enumerate(attention) for suffix in sorted(mixer[not a] - shared)]
+    rewrite_gguf(r, out, kept + copied, {key: [not a for a in attention]})
     return sum(attention)
 
 
@@ -759,17 +762,7 @@ def zero_gguf(src: Path, out: Path) -> int:
     import numpy as np
 
     r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(out), r.fields["general.architecture"].contents())
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        w.add_key_value(name, f.contents(), f.types[0], f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.zeros_like(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    rewrite_gguf(r, out, ((t.name, np.zeros_like(t.data), t.tensor_type) for t in r.tensors))
     return len(r.tensors)
 
 
