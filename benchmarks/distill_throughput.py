@@ -22,13 +22,14 @@ import argparse
 import copy
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from perf_common import build_teacher, free, profiled
+from perf_common import build_teacher, fmt, free, profiled
 
 from taylor_calibrate.config import DataArgs, GDNConfig, LOSS_HEADS, TrainArgs
 from taylor_calibrate.distill import distill
@@ -94,13 +95,23 @@ def run_path(head: str, student0, teacher, rows, heldout, a, device) -> dict:
     torch._dynamo.reset()  # each path compiles afresh (in its untimed first step), not within the other's graph budget
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    ends = []  # wall clock at the end of every optimizer step (on_step is outside distill's timed window)
+
+    def on_step(step, _):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        ends.append(time.perf_counter())
+
     try:
         with tempfile.TemporaryDirectory() as tmp:
             rep = distill(student, teacher, rows, heldout, args, tmp, resume=False, eval_batch_size=a.eval_rows,
-                          desc=f"{head} micro {micro}")
+                          desc=f"{head} micro {micro}", on_step=on_step)
             metrics = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-        row.update({k: rep[k] for k in ("steps", "tokens_per_step", "tokens_per_s", "flops_per_token", "mfu")})
-        row.update(timed_steps=steps - 1, heldout_kl=rep["heldout_kl"],
+        row.update({k: rep[k] for k in ("steps", "tokens_per_step", "tokens_per_s", "flops_per_token", "mfu",
+                                        "first_step_s")})
+        step_s = [b - e for e, b in zip(ends[1:], ends[2:])]  # steps 2.. (ends[0] is step 0's evaluation)
+        row.update(timed_steps=steps - 1, heldout_kl=rep["heldout_kl"], step_s=step_s,
+                   median_step_tokens_per_s=rep["tokens_per_step"] / statistics.median(step_s) if step_s else None,
                    loss=[r["loss"] for r in metrics if "lr" in r])  # training records
     except torch.OutOfMemoryError:
         row["oom"] = True
@@ -141,15 +152,19 @@ def compare(rows: list[dict]) -> dict | None:
 
 
 def table(res: dict) -> str:
-    out = ["| loss path | micro-batch | tokens/step | tokens/s | MFU | peak GB | first -> last loss |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| loss path | micro-batch | tokens/step | tokens/s | median-step tokens/s | MFU | peak GB | first step s | "
+           "step 2 s | first -> last loss |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         tps = "OOM" if r.get("oom") else f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         gb = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else "-"
         loss = f"{r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}" if r.get("loss") else "-"
+        med = f"{r['median_step_tokens_per_s']:,.0f}" if r.get("median_step_tokens_per_s") else "-"
+        first = fmt(r.get("first_step_s"), ".1f")
+        second = fmt(r["step_s"][0], ".2f") if r.get("step_s") else "-"
         out.append(f"| {r['head']} | {r['micro_batch']} x {r['seq_len']} | {r['batch'] * r['seq_len']:,} | {tps} | "
-                   f"{mfu} | {gb} | {loss} |")
+                   f"{med} | {mfu} | {gb} | {first} | {second} | {loss} |")
     c = res.get("comparison")
     if c:
         extra = "".join(f", {k.replace('_', ' ')} {c[k]:.2f}x" for k in ("speedup", "peak_mem_ratio") if k in c)
@@ -195,7 +210,7 @@ def main(argv=None):
     if set(heads) - set(LOSS_HEADS):
         ap.error(f"--heads: each of {LOSS_HEADS}")
     student, teacher, rows, heldout, what = models(a, device, dtype)
-    res = {"what": __doc__.splitlines()[0], "models": what, "rows": []}
+    res = {"what": " ".join(__doc__.split("\n\n")[0].split()), "models": what, "rows": []}
 
     def save():
         if a.out:
