@@ -228,10 +228,11 @@ def test_first_backward_checks_fla_on_the_real_step(monkeypatch, caplog, refuses
     monkeypatch.setitem(ops.GDN_KERNELS, ("fla", "chunk"), kernel)
     monkeypatch.setitem(ops._resolved, "fla", "fla")
     monkeypatch.setattr(ops, "_FLA_BACKWARD", {})
+    monkeypatch.setattr(ops, "_fla_backward_refused", False)
     inputs = make_inputs(20)
     want_o, want = _grads(chunk_gated_delta_rule, inputs)
     with caplog.at_level(logging.WARNING, logger="taylor_calibrate"):
-        for step in range(2):
+        for step in range(3):
             o, got = _grads(lambda **kw: ops.gated_delta_rule(**kw, backend="fla"), inputs)
             torch.testing.assert_close(o, want_o)
             for name in want:
@@ -246,6 +247,49 @@ def test_first_backward_checks_fla_on_the_real_step(monkeypatch, caplog, refuses
         assert problem is None and not caplog.records
     with torch.no_grad():  # inference never goes through the check
         ops.gated_delta_rule(**inputs, backend="fla")
+
+
+@pytest.mark.parametrize("refuses", [False, True])
+def test_first_backward_does_not_recompile_a_compiled_caller(monkeypatch, refuses):
+    """A compiled layer that trains through fla is traced once: the first step's check of fla's backward changes
+    nothing its graph depends on (a recompile at step 2 costs a fresh trace of every compiled layer). Where fla
+    refuses, one recompile puts the reference inside the graph, and gradients stay the reference's."""
+    calls = []
+    kernel = torch.compiler.disable(_refusing_kernel(calls) if refuses else chunk_gated_delta_rule)  # as fla's is
+    monkeypatch.setattr(fla_ops, "chunk_gated_delta_rule", kernel)
+    monkeypatch.setitem(ops.GDN_KERNELS, ("fla", "chunk"), kernel)
+    monkeypatch.setitem(ops._resolved, "fla", "fla")
+    monkeypatch.setattr(ops, "_FLA_BACKWARD", {})
+    monkeypatch.setattr(ops, "_fla_backward_refused", False)
+    inputs = make_inputs(20)
+    want_o, want = _grads(chunk_gated_delta_rule, inputs)
+    graphs = []
+
+    def backend(gm, example_inputs):  # counts what dynamo hands over, runs it as traced
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    def layer(q, **kw):  # a compiled layer: its own ops around the rule
+        o, ht = ops.gated_delta_rule(q * 1.0, **kw, backend="fla")
+        return o * 1.0, ht
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=backend)
+    with torch._dynamo.config.patch(error_on_recompile=not refuses):
+        for step in range(4):
+            o, got = _grads(compiled, inputs)
+            torch.testing.assert_close(o, want_o)
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], msg=name)
+            if step == 0:
+                first = len(graphs)
+    torch._dynamo.reset()
+    assert len(calls) == (2 if refuses else 0)
+    assert first >= 1
+    if refuses:  # the reference joined the layer's graph: one more, larger graph, and none after it
+        assert len(graphs) > first and graphs[-1] > max(graphs[:first])
+    else:
+        assert len(graphs) == first
 
 
 def test_unknown_backend():

@@ -40,6 +40,7 @@ DECODE_MAX_T = 16  # mode "auto" runs the recurrent form up to this many tokens 
 
 _resolved: dict[str, str] = {}
 _FLA_BACKWARD: dict[str, str | None] = {}  # "problem": None once fla's backward has run in this process, else why not
+_fla_backward_refused = False  # set once a training call finds _FLA_BACKWARD["problem"]; read by compiled code
 
 
 def resolve_backend(name: str) -> str:
@@ -98,12 +99,10 @@ def gated_delta_rule(
         short = q.shape[1] <= DECODE_MAX_T
         mode = "recurrent" if short and not (backend == "fla" and needs_grad) else "chunk"
     if backend == "fla" and mode == "chunk" and needs_grad:
-        if "problem" not in _FLA_BACKWARD:  # the first training step finds out whether fla's backward runs here
-            return torch.compiler.disable(fla_ops.first_backward)(
-                reference.chunk_gated_delta_rule, _FLA_BACKWARD, q, k, v, g, beta, scale=scale,
-                initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
-        if _FLA_BACKWARD["problem"] is not None:
-            backend = "torch"  # refused once (logged then): the reference trains
+        if not _fla_backward_refused:
+            return _fla_chunk_for_training(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                           output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+        backend = "torch"  # fla's backward refused here (logged once): the reference trains, compiled where asked
     return GDN_KERNELS[backend, mode](
         q, k, v, g, beta,
         scale=scale,
@@ -111,6 +110,22 @@ def gated_delta_rule(
         output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm,
     )
+
+
+@torch.compiler.disable
+def _fla_chunk_for_training(q, k, v, g, beta, **kw):
+    """fla's chunk kernel for a call that needs gradients. The first such call in a process finds out whether fla's
+    backward runs here (`fla_ops.first_backward`); later ones call fla's kernel, or, once it refused, the reference
+    (and flag it, so that the next call takes the reference in the caller's graph). Kept out of torch.compile: what
+    it reads changes after the first step, and a compiled layer that read it would recompile at step 2 (fla's
+    kernel is itself outside compiled graphs, so this adds no graph break)."""
+    global _fla_backward_refused
+    if "problem" not in _FLA_BACKWARD:
+        return fla_ops.first_backward(reference.chunk_gated_delta_rule, _FLA_BACKWARD, q, k, v, g, beta, **kw)
+    if _FLA_BACKWARD["problem"] is not None:
+        _fla_backward_refused = True
+        return reference.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    return GDN_KERNELS["fla", "chunk"](q, k, v, g, beta, **kw)
 
 
 # --- attention statistics ----------------------------------------------------------------------------------------
