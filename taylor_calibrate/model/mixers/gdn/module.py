@@ -61,14 +61,19 @@ class GatedDeltaNet(nn.Module):
 
     # --- pieces, exposed so calibration and alignment can read intermediate quantities -------------------------
     def _short_conv(self, q, k, v, cache):
-        """Causal depthwise conv over (q|k|v) channels; the cache keeps the last K-1 inputs for decoding."""
+        """Causal depthwise conv over (q|k|v) channels; the cache keeps the last K-1 inputs for decoding. Written as
+        K shifted products in fp32 rather than `F.conv1d`: the same sums, and under torch.compile one fused pointwise
+        kernel with what follows (activation, l2norm), forward and backward, where a depthwise convolution is an
+        opaque library call with a slow weight gradient."""
         T, K = q.shape[1], self.cfg.conv_size
-        x = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # (B, 3C, T)
+        x = torch.cat([q, k, v], dim=-1)  # (B, T, 3C)
         if cache is not None:
-            x = cache.update_conv_state(x, self.layer_idx, conv_kernel_size=K - 1)  # (B, 3C, >= T)
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)  # (3C, 1, K)
-        y = F.conv1d(F.pad(x, (K - 1, 0)), w.to(x.dtype), groups=w.shape[0])[..., -T:]
-        return y.transpose(1, 2).split(q.shape[-1], dim=-1)
+            x = cache.update_conv_state(x.transpose(1, 2), self.layer_idx, conv_kernel_size=K - 1).transpose(1, 2)
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0].float()
+        x = F.pad(x, (0, 0, K - 1, 0))  # (B, S + K - 1, 3C): output t reads inputs t - K + 1 .. t
+        S = x.shape[1] - (K - 1)
+        y = sum(x[:, S - T + j:S + j].float() * w[:, j] for j in range(K))
+        return y.to(q.dtype).split(q.shape[-1], dim=-1)
 
     def features(self, x, cache=None, gdn_mask=None):
         """Inputs of the recurrence: q, k, v (B, T, H, D), log-decay g and write gate beta (B, T, H), both fp32."""
