@@ -161,14 +161,18 @@ def counting_gdn_kernels():
 @contextlib.contextmanager
 def profiled(device: torch.device, rows: int = 30):
     """torch.profiler around the block, then the top ops by CPU time and, on a GPU, by CUDA time (total, then self:
-the kernels themselves, which is where a step's GPU time goes)."""
+    the kernels themselves, which is where a step's GPU time goes; then self CUDA time by input shapes, which names
+    the tensors behind a generic op such as a copy)."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, record_shapes=device.type == "cuda") as prof:
         yield
     for sort in ("cpu_time_total",) + (("cuda_time_total", "self_cuda_time_total") if device.type == "cuda" else ()):
         print(prof.key_averages().table(sort_by=sort, row_limit=rows), flush=True)
+    if device.type == "cuda":
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=rows),
+              flush=True)
 
 
 def ints(text: str) -> list[int]:
