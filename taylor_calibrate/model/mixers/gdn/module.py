@@ -62,17 +62,18 @@ class GatedDeltaNet(nn.Module):
     # --- pieces, exposed so calibration and alignment can read intermediate quantities -------------------------
     def _short_conv(self, q, k, v, cache):
         """Causal depthwise conv over (q|k|v) channels; the cache keeps the last K-1 inputs for decoding. Written as
-        K shifted products in fp32 rather than `F.conv1d`: the same sums, and under torch.compile one fused pointwise
-        kernel with what follows (activation, l2norm), forward and backward, where a depthwise convolution is an
-        opaque library call with a slow weight gradient."""
+        K shifted products (summed in fp32 at least) rather than `F.conv1d`: the same sums, and under torch.compile
+        one fused pointwise kernel with what follows (activation, l2norm), forward and backward, where a depthwise
+        convolution is an opaque library call with a slow weight gradient."""
         T, K = q.shape[1], self.cfg.conv_size
         x = torch.cat([q, k, v], dim=-1)  # (B, T, 3C)
         if cache is not None:
             x = cache.update_conv_state(x.transpose(1, 2), self.layer_idx, conv_kernel_size=K - 1).transpose(1, 2)
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0].float()
+        acc = torch.promote_types(x.dtype, torch.float32)  # bf16 inputs sum in fp32, fp64 stays fp64
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0].to(acc)
         x = F.pad(x, (0, 0, K - 1, 0))  # (B, S + K - 1, 3C): output t reads inputs t - K + 1 .. t
         S = x.shape[1] - (K - 1)
-        y = sum(x[:, S - T + j:S + j].float() * w[:, j] for j in range(K))
+        y = sum(x[:, S - T + j:S + j].to(acc) * w[:, j] for j in range(K))
         return y.to(q.dtype).split(q.shape[-1], dim=-1)
 
     def features(self, x, cache=None, gdn_mask=None):
