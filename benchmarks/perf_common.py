@@ -160,19 +160,36 @@ def counting_gdn_kernels():
 
 @contextlib.contextmanager
 def profiled(device: torch.device, rows: int = 30):
-    """torch.profiler around the block, then the top ops by CPU time and, on a GPU, by CUDA time (total, then self:
-    the kernels themselves, which is where a step's GPU time goes; then self CUDA time by input shapes, which names
-    the tensors behind a generic op such as a copy)."""
+    """torch.profiler around the block, then its tables (`print_profile`)."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts, record_shapes=device.type == "cuda") as prof:
         yield
+    print_profile(prof, device, rows)
+
+
+def print_profile(prof, device: torch.device, rows: int = 30) -> None:
+    """The top ops by CPU time and, on a GPU, by CUDA time (total, then self: the kernels themselves, which is where
+    a step's GPU time goes; then self CUDA time by input shapes, which names the tensors behind a generic op such as
+    a copy)."""
     for sort in ("cpu_time_total",) + (("cuda_time_total", "self_cuda_time_total") if device.type == "cuda" else ()):
         print(prof.key_averages().table(sort_by=sort, row_limit=rows), flush=True)
     if device.type == "cuda":
         print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=rows),
               flush=True)
+
+
+def top_ops(prof, per: int, rows: int = 40, by_shape: bool = False) -> list[dict]:
+    """The ops with the most self device time (self CPU time where no device was traced), per `per` steps: name,
+    ms, calls (and input shapes with `by_shape`), for a results file."""
+    def self_ms(e):
+        return (e.self_device_time_total or e.self_cpu_time_total) / 1e3
+
+    avgs = [e for e in prof.key_averages(group_by_input_shape=by_shape) if not e.key.startswith("ProfilerStep")]
+    avgs = sorted(avgs, key=self_ms, reverse=True)[:rows]
+    return [{"op": e.key, "ms": self_ms(e) / per, "calls": e.count / per,
+             **({"shapes": str(e.input_shapes)[:200]} if by_shape else {})} for e in avgs]
 
 
 def ints(text: str) -> list[int]:
