@@ -33,6 +33,7 @@ from perf_common import build_teacher, fmt, free, print_profile, top_ops
 
 from taylor_calibrate.config import DataArgs, GDNConfig, LOSS_HEADS, TrainArgs
 from taylor_calibrate.distill import distill
+from taylor_calibrate.ops import LOSS_BACKENDS, resolve_loss_backend
 from taylor_calibrate.results import record
 from taylor_calibrate.teacher import DEFAULT_TEACHER, resolve_device
 
@@ -87,14 +88,16 @@ def models(a, device, dtype) -> tuple:
 PROFILE_WAIT, PROFILE_STEPS = 3, 3  # profiled: after step 0's evaluation, two steps and one warm-up step
 
 
-def run_path(head: str, student0, teacher, rows, heldout, a, device, prof=None) -> dict:
+def run_path(head: str, student0, teacher, rows, heldout, a, device, prof=None, loss_kernel: str = "auto") -> dict:
     """`distill` of a fresh copy of the student with the loss path `head`: throughput, peak memory, loss curve.
     `prof` (a torch.profiler schedule) steps at each optimizer step, so it sees whole steady steps only."""
     B, T, steps = a.batch_size, a.seq_len, a.steps
     micro = min(a.micro, B)
     args = TrainArgs(tokens=B * T * steps, batch_size=B, micro_batch_size=micro, train=a.train, head=head,
-                     kl_chunk=a.kl_chunk, eval_every=10 ** 9, save_every=10 ** 9, log_every=1, compile=a.compile)
-    row = {"head": head, "micro_batch": micro, "batch": B, "seq_len": T, "kl_chunk": a.kl_chunk}
+                     kl_chunk=a.kl_chunk, loss_kernel=loss_kernel, eval_every=10 ** 9, save_every=10 ** 9,
+                     log_every=1, compile=a.compile)
+    row = {"head": head, "loss_kernel": resolve_loss_backend(loss_kernel, device), "micro_batch": micro, "batch": B,
+           "seq_len": T, "kl_chunk": a.kl_chunk}
     student = copy.deepcopy(student0)
     torch._dynamo.reset()  # each path compiles afresh (in its untimed first step), not within the other's graph budget
     if device.type == "cuda":
@@ -135,32 +138,40 @@ def _curve_gap(a: dict, b: dict) -> dict:
 
 
 def compare(rows: list[dict]) -> dict | None:
-    """The fused loss curve against the full-logits one, step by step (the first run of each). A path run twice
-    (`--heads logits,fused,logits`) gives the run-to-run gap of the same loss, the floor the paths' gap is read
+    """The fused loss curve against the full-logits one, step by step (the first run of each); the fused path's
+    Triton loss kernel against its compiled PyTorch reference (`triton_vs_torch`). A path run twice with the same
+    kernel (`--heads logits,fused,logits`) gives the run-to-run gap of the same loss, the floor the other gaps are read
     against: on a GPU the kernels are not bitwise deterministic and training amplifies their noise."""
     done = [r for r in rows if r.get("loss")]
-    by = {}
+    by, out = {}, {}
     for r in done:
-        by.setdefault(r["head"], r)
-    if not {"logits", "fused"} <= set(by):
-        return None
-    a, b = by["logits"], by["fused"]
-    out = {**_curve_gap(a, b), "final_loss": {"logits": a["loss"][-1], "fused": b["loss"][-1]},
-           "final_heldout_kl": {"logits": a["heldout_kl"][-1], "fused": b["heldout_kl"][-1]}}
-    again = next((r for r in done if r is not by[r["head"]]), None)
+        by.setdefault((r["head"], r["loss_kernel"]), r)
+    first = {}
+    for r in done:
+        first.setdefault(r["head"], r)
+    if {"logits", "fused"} <= set(first):
+        a, b = first["logits"], first["fused"]
+        out.update(**_curve_gap(a, b), final_loss={"logits": a["loss"][-1], "fused": b["loss"][-1]},
+                   final_heldout_kl={"logits": a["heldout_kl"][-1], "fused": b["heldout_kl"][-1]})
+        if a.get("tokens_per_s") and b.get("tokens_per_s"):
+            out["speedup"] = b["tokens_per_s"] / a["tokens_per_s"]
+        if a.get("peak_mem_gb") and b.get("peak_mem_gb"):
+            out["peak_mem_ratio"] = b["peak_mem_gb"] / a["peak_mem_gb"]
+    again = next((r for r in done if r is not by[r["head"], r["loss_kernel"]]), None)
     if again is not None:
-        out["same_path_rerun"] = {"head": again["head"], **_curve_gap(by[again["head"]], again)}
-    if a.get("tokens_per_s") and b.get("tokens_per_s"):
-        out["speedup"] = b["tokens_per_s"] / a["tokens_per_s"]
-    if a.get("peak_mem_gb") and b.get("peak_mem_gb"):
-        out["peak_mem_ratio"] = b["peak_mem_gb"] / a["peak_mem_gb"]
-    return out
+        out["same_path_rerun"] = {"head": again["head"], **_curve_gap(by[again["head"], again["loss_kernel"]], again)}
+    torch_, triton_ = by.get(("fused", "torch")), by.get(("fused", "triton"))
+    if torch_ and triton_:
+        out["triton_vs_torch"] = _curve_gap(torch_, triton_)
+        if torch_.get("tokens_per_s") and triton_.get("tokens_per_s"):
+            out["triton_kernel_speedup"] = triton_["tokens_per_s"] / torch_["tokens_per_s"]
+    return out or None
 
 
 def table(res: dict) -> str:
-    out = ["| loss path | micro-batch | tokens/step | tokens/s | median-step tokens/s | MFU | peak GB | first step s | "
-           "step 2 s | first -> last loss |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| loss path | loss kernel | micro-batch | tokens/step | tokens/s | median-step tokens/s | MFU | peak GB | "
+           "first step s | step 2 s | first -> last loss |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         tps = "OOM" if r.get("oom") else f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
@@ -169,17 +180,22 @@ def table(res: dict) -> str:
         med = f"{r['median_step_tokens_per_s']:,.0f}" if r.get("median_step_tokens_per_s") else "-"
         first = fmt(r.get("first_step_s"), ".1f")
         second = fmt(r["step_s"][0], ".2f") if r.get("step_s") else "-"
-        out.append(f"| {r['head']} | {r['micro_batch']} x {r['seq_len']} | {r['batch'] * r['seq_len']:,} | {tps} | "
+        out.append(f"| {r['head']} | {r.get('loss_kernel', '-')} | {r['micro_batch']} x {r['seq_len']} | {r['batch'] * r['seq_len']:,} | {tps} | "
                    f"{med} | {mfu} | {gb} | {first} | {second} | {loss} |")
-    c = res.get("comparison")
-    if c:
+    c = res.get("comparison") or {}
+    if "max_abs_loss_diff" in c:
         extra = "".join(f", {k.replace('_', ' ')} {c[k]:.2f}x" for k in ("speedup", "peak_mem_ratio") if k in c)
         out += ["", f"Loss curves over {c['steps']} steps: max |fused - logits| = {c['max_abs_loss_diff']:.2e} "
                     f"(relative {c['max_rel_loss_diff']:.2e}){extra}."]
-        if "same_path_rerun" in c:
-            r = c["same_path_rerun"]
-            out.append(f"The same path ({r['head']}) run again: max |difference| = {r['max_abs_loss_diff']:.2e}, final "
-                       f"loss {r['final_loss_diff']:+.4f} (fused - logits at the end: {c['final_loss_diff']:+.4f}).")
+    if "triton_vs_torch" in c:
+        r, sp = c["triton_vs_torch"], c.get("triton_kernel_speedup")
+        out += ["", f"The fused path's loss kernel, Triton against compiled PyTorch, over {r['steps']} steps: max "
+                    f"|difference| = {r['max_abs_loss_diff']:.2e}, final loss {r['final_loss_diff']:+.4f}"
+                    + (f", speedup {sp:.2f}x." if sp else ".")]
+    if "same_path_rerun" in c:
+        r = c["same_path_rerun"]
+        out.append(f"The same path ({r['head']}) run again: max |difference| = {r['max_abs_loss_diff']:.2e}, final "
+                   f"loss {r['final_loss_diff']:+.4f}.")
     return "\n".join(out)
 
 
@@ -196,6 +212,8 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps per path (the first is untimed)")
     ap.add_argument("--kl-chunk", type=int, default=TrainArgs.kl_chunk, help="tokens per chunk of the loss")
+    ap.add_argument("--loss-kernels", default="auto",
+                    help=f"--train.loss_kernel values ({', '.join(LOSS_BACKENDS)}) to run each path with, in order")
     ap.add_argument("--train", default="mixers", help="which parameters train (--train.train)")
     ap.add_argument("--eval-rows", type=int, default=2, help="held-out rows evaluated at the start and the end")
     ap.add_argument("--compile", default="auto", choices=("auto", "true", "false"))
@@ -225,11 +243,12 @@ def main(argv=None):
                                                       f"Command: `{res['command']}` at {res['commit']}\n")
 
     for head in heads:
-        row = run_path(head, student, teacher, rows, heldout, a, device)
-        print(json.dumps({k: v for k, v in row.items() if k != "loss"}), flush=True)
-        res["rows"].append(row)
-        res["comparison"] = compare(res["rows"])
-        save()
+        for kernel in a.loss_kernels.split(","):
+            row = run_path(head, student, teacher, rows, heldout, a, device, loss_kernel=kernel)
+            print(json.dumps({k: v for k, v in row.items() if k != "loss"}), flush=True)
+            res["rows"].append(row)
+            res["comparison"] = compare(res["rows"])
+            save()
     print(json.dumps(res, indent=1))
     print(table(res))
     if a.profile:  # a run of its own: the profiler's overhead stays out of the timed paths
@@ -238,7 +257,7 @@ def main(argv=None):
                                                          if device.type == "cuda" else [])
         sched = torch.profiler.schedule(wait=PROFILE_WAIT, warmup=1, active=PROFILE_STEPS, repeat=1)
         with torch.profiler.profile(activities=acts, schedule=sched, record_shapes=True) as prof:
-            run_path(heads[-1], student, teacher, rows, heldout, a, device, prof)
+            run_path(heads[-1], student, teacher, rows, heldout, a, device, prof, a.loss_kernels.split(",")[-1])
         print_profile(prof, device)
         res["profile"] = {"head": heads[-1], "steps": PROFILE_STEPS, "unit": "self device ms and calls per step",
                           "ops": top_ops(prof, PROFILE_STEPS), "by_shape": top_ops(prof, PROFILE_STEPS, by_shape=True)}

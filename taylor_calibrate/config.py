@@ -16,6 +16,7 @@ import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from taylor_calibrate.model.mixers.gdn.config import GDNConfig
+from taylor_calibrate.ops import LOSS_BACKENDS
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -520,6 +521,10 @@ class TrainArgs:
     kl_chunk: int = 4096
     """Tokens per chunk of the loss's logits: one chunk's fp32 softmaxes (and, fused, both heads' logits) exist at a
     time."""
+    loss_kernel: str = "auto"
+    """The kernel that reduces each chunk of logits to the loss and its gradient: "triton" (ops/kd_triton.py, two
+    passes over the logits, CUDA), "torch" (ops/kd_torch.py, compiled under `compile`), "auto" (triton on a GPU when
+    triton imports). The same loss either way."""
     repeat_spans: float = 0.0
     """Fraction of training rows given a repeated span: a piece of the row's own text copied again later in the row,
     which the teacher predicts by attending back over the gap; trains the retrieval a hybrid keeps (docs/method.md,
@@ -562,6 +567,8 @@ class TrainArgs:
             raise ValueError(f"--train.parallel={self.parallel!r} is not one of {PARALLEL}")
         if self.head not in LOSS_HEADS:
             raise ValueError(f"--train.head={self.head!r} is not one of {LOSS_HEADS}")
+        if self.loss_kernel not in LOSS_BACKENDS:
+            raise ValueError(f"--train.loss_kernel={self.loss_kernel!r} is not one of {LOSS_BACKENDS}")
         if self.kl_chunk < 1:
             raise ValueError(f"--train.kl_chunk={self.kl_chunk} must be >= 1 (tokens per chunk)")
         for name in ("tokens", "batch_size", "micro_batch_size", "eval_every", "save_every", "log_every"):

@@ -51,7 +51,8 @@ from taylor_calibrate.model.hybrid import gdn_heads
 from taylor_calibrate.model.hybrid_config import MIXER_TYPE
 from taylor_calibrate.model.loading import NotJSON, parse_json, read_json, read_text
 from taylor_calibrate.results import is_output_of, record, write_json
-from taylor_calibrate.ops import resolve_backend, training_backend
+from taylor_calibrate.ops import loss_kernel, resolve_backend, training_backend
+from taylor_calibrate.ops.kd_torch import kd_chunk
 from taylor_calibrate.stats import FarMass, observing
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype, teacher_hash
 from taylor_calibrate.training import Clock, autocast, warmup_cosine
@@ -165,47 +166,6 @@ def forward_kl(s_logits: torch.Tensor, t_logits: torch.Tensor, tau: float,
     return (kl if weights is None else kl * weights).mean() * tau ** 2
 
 
-def kd_chunk(s, t, y, w, tau: float, kl_scale: float, ce_scale: float, s_cap: float | None = None,
-             t_cap: float | None = None, grad: bool = True):
-    """One chunk of n rows, fp32 inside: (sum over rows of w x KL(p_t || p_s) at temperature tau, sum of the
-    next-token NLL, the gradient of kl_scale x that KL sum + ce_scale x that NLL sum w.r.t. `s` in s's dtype; None
-    for what was not asked).
-
-    s, t: (n, V) logits of student and teacher before their soft-caps `s_cap`, `t_cap` (cap x tanh(logit / cap),
-    Gemma's final_logit_softcapping); t None: no KL. y (n,): next-token ids, negative where there is none; None: no
-    NLL. w (n,): the rows' KL weights (None: 1). dKL/ds = (p_s - p_t) / tau, dNLL/ds = softmax(s) - onehot(y), times
-    1 - (s / cap)^2 through a cap. The one kernel of both loss paths; `--train.compile` compiles it."""
-    dtype = s.dtype
-    s = s.float()
-    if s_cap:
-        s = torch.tanh(s / s_cap) * s_cap
-    kl = nll = g = s_logp = None
-    if t is not None:
-        t = t.float()
-        if t_cap:
-            t = torch.tanh(t / t_cap) * t_cap
-        s_logp, t_logp = F.log_softmax(s / tau, -1), F.log_softmax(t / tau, -1)
-        t_p = t_logp.exp()
-        kl = (t_p * (t_logp - s_logp)).sum(-1)
-        if grad:
-            g = (s_logp.exp() - t_p) * (kl_scale / tau)
-        if w is not None:
-            kl = kl * w
-            g = None if g is None else g * w[:, None]
-        kl = kl.sum()
-    if y is not None:
-        logp = s_logp if s_logp is not None and tau == 1.0 else F.log_softmax(s, -1)
-        valid = (y >= 0).float()
-        at = y.clamp(min=0)[:, None]
-        nll = -(logp.gather(1, at).squeeze(1) * valid).sum()
-        if grad:
-            gc = logp.exp().scatter_add(1, at, torch.full_like(at, -1, dtype=logp.dtype)) * (valid * ce_scale)[:, None]
-            g = gc if g is None else g + gc
-    if g is not None and s_cap:
-        g = g * (1 - (s / s_cap) ** 2)
-    return kl, nll, None if g is None else g.to(dtype)
-
-
 @dataclass(frozen=True)
 class Head:
     """A model's output layer as the fused loss applies it: logits = cap x tanh(h @ weight.T / cap) (no cap: None)."""
@@ -304,8 +264,8 @@ def fused_kd(s_hidden: torch.Tensor, s_head: Head, t_hidden: torch.Tensor | None
 
     Not fla's `fused_kl_div_loss` nor Liger's fused linear JSD: neither takes per-token weights
     (--train.far_weight) or a final logit soft-cap, fla's has no temperature or NLL term, and both are Triton only (no
-    CPU path for the tests); the compiled `kd_chunk` gives the fused pass over each chunk's logits that their kernels
-    do."""
+    CPU path for the tests). `kernel` reduces each chunk: ops/kd_triton.py's two-pass kernel or its reference
+    `kd_chunk` (ops.loss_kernel picks)."""
     n = s_hidden.shape[0] * s_hidden.shape[1]
     y = None if labels is None else labels.reshape(-1)
     ce_scale = 0.0 if y is None else ce_weight / (y >= 0).sum().clamp(min=1)  # a tensor: no host sync
@@ -453,8 +413,8 @@ def run_identity(student, trained: set[str], teacher: str | None, args: TrainArg
         if name in trained:
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     shaping = {k: v for k, v in asdict(args).items()
-               if k not in ("eval_every", "save_every", "log_every", "compile", "parallel", "peak_tflops",
-                            "micro_batch_size", "head", "kl_chunk")}  # how the loss is computed, not what
+               if k not in ("eval_every", "save_every", "log_every", "compile", "loss_kernel", "parallel",
+                            "peak_tflops", "micro_batch_size", "head", "kl_chunk")}  # how the loss is computed, not what
 
     def where(spec):  # a local path compares by where it is, however it was spelled
         return str(Path(spec).resolve()) if isinstance(spec, str) and os.path.exists(spec) else spec
@@ -772,7 +732,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         p.requires_grad_(n in trained)
     teacher.requires_grad_(False).eval()
     compiled = args.compile if args.compile is not None else device.type == "cuda"
-    kernel = torch.compile(kd_chunk) if compiled else kd_chunk
+    kernel = loss_kernel(args.loss_kernel, device, compiled)
     fused = args.head == "fused"
     if fused:  # both heads are what the fused loss assumes (a short row, eager, before anything is wrapped)
         probe = rows[range(1)][:, :16].to(device)

@@ -27,6 +27,39 @@ _TOKEN_CACHE = tempfile.mkdtemp(prefix="tc-token-cache-")
 os.environ["TAYLOR_CALIBRATE_TOKEN_CACHE"] = _TOKEN_CACHE
 atexit.register(shutil.rmtree, _TOKEN_CACHE, True)
 
+def triton_interpreter_shims():
+    """Two bugs of Triton 3.6's interpreter (not of the compiled kernel), patched for these tests only:
+    - a runtime loop bound becomes an int through a 1-element array, which numpy >= 2.4 refuses ("only
+      0-dimensional arrays ..."; triton-lang/triton#9171, fixed upstream after 3.6);
+    - tl.dot on bf16 multiplies the uint16 bit patterns the interpreter stores bf16 in; on a GPU a bf16 dot is exact
+      products accumulated in fp32, which is what widening the bits to fp32 reproduces."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_shimmed", False):
+        return
+    interpreter._shimmed = True
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widen(x):
+        if x.dtype == tl.bfloat16:
+            return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return x
+
+    def patched_dot(self, a, b, d, *args):
+        return create_dot(self, widen(a), widen(b), d, *args)
+
+    interpreter._patch_lang_tensor = patched_tensor
+    interpreter.InterpreterBuilder.create_dot = patched_dot
+
+
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 

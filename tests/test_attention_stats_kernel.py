@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import tiny_teacher
+from conftest import tiny_teacher, triton_interpreter_shims
 
 from taylor_calibrate import ops
 from taylor_calibrate.ops.attention_stats_torch import OUTPUTS, attention_stats, attention_stats_naive
@@ -22,44 +22,12 @@ DEVICE = "cuda" if CUDA else "cpu"
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it before anything imports triton
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
 
-import numpy as np  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
-
 from taylor_calibrate.ops.attention_stats_triton import attention_stats_triton  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("single_thread"),
               pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")]  # numpy, in the interpreter
-
-
-def _interpreter_shims():
-    """Two bugs of Triton 3.6's interpreter (not of the compiled kernel), patched for these tests only:
-    - a runtime loop bound becomes an int through a 1-element array, which numpy >= 2.4 refuses ("only
-      0-dimensional arrays ..."; triton-lang/triton#9171, fixed upstream after 3.6);
-    - tl.dot on bf16 multiplies the uint16 bit patterns the interpreter stores bf16 in; on a GPU a bf16 dot is exact
-      products accumulated in fp32, which is what widening the bits to fp32 reproduces."""
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def widen(x):
-        if x.dtype == tl.bfloat16:
-            return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return x
-
-    def patched_dot(self, a, b, d, *args):
-        return create_dot(self, widen(a), widen(b), d, *args)
-
-    interpreter._patch_lang_tensor = patched_tensor
-    interpreter.InterpreterBuilder.create_dot = patched_dot
-
-
 if not CUDA:
-    _interpreter_shims()
+    triton_interpreter_shims()
 
 
 def _qk(B, H, Hkv, T, D, seed=0, temperature=1.5, dtype=torch.float32):

@@ -5,10 +5,11 @@
     backend "auto":  "fla" when fla imports and a GPU is visible, else "torch"; resolved once per
                      process and logged, never a silent fallback for an explicit "fla".
 
-Teacher attention statistics (docs/method.md, "Teacher statistics") have their own pair, chosen the same way:
+Teacher attention statistics (docs/method.md, "Teacher statistics") and the distillation loss over a chunk of
+logits each have their own pair, chosen the same way:
 
-    backend "torch":  ops/attention_stats_torch.py, streamed over key blocks in PyTorch, any device (the CPU path)
-    backend "triton": ops/attention_stats_triton.py, one fused pass per layer, CUDA tensors only
+    backend "torch":  ops/attention_stats_torch.py (streamed over key blocks) / ops/kd_torch.py, PyTorch, any device
+    backend "triton": ops/attention_stats_triton.py / ops/kd_triton.py, fused Triton kernels, CUDA tensors only
     backend "auto":   "triton" for CUDA tensors when triton imports, else "torch"; resolved once per device
                       type and logged
 """
@@ -23,6 +24,7 @@ import torch
 
 from . import attention_stats_torch as stats_torch
 from . import fla as fla_ops
+from . import kd_torch
 from . import reference
 from .reference import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 
@@ -30,6 +32,7 @@ __all__ = [
     "BACKENDS", "MODES", "resolve_backend", "gated_delta_rule",
     "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "l2norm",
     "STATS_BACKENDS", "resolve_stats_backend", "attention_stats",
+    "LOSS_BACKENDS", "resolve_loss_backend", "loss_kernel",
 ]
 
 logger = logging.getLogger("taylor_calibrate")
@@ -128,49 +131,70 @@ def _fla_chunk_for_training(q, k, v, g, beta, **kw):
     return GDN_KERNELS["fla", "chunk"](q, k, v, g, beta, **kw)
 
 
-# --- attention statistics ----------------------------------------------------------------------------------------
+# --- Triton kernels of our own: attention statistics and the distillation loss ---------------------------------------
 STATS_BACKENDS = ("auto", "torch", "triton")
+LOSS_BACKENDS = ("auto", "torch", "triton")
+_TRITON_MODULES = {"attention-statistics": "attention_stats_triton", "distillation-loss": "kd_triton"}
 _stats_resolved: dict[tuple[str, str], str] = {}
+_loss_resolved: dict[tuple[str, str], str] = {}
 
 
-def _triton_import_reason() -> str | None:
+def _triton_import_reason(what: str) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton not installed"
     try:
-        from . import attention_stats_triton  # noqa: F401
+        importlib.import_module(f"{__name__}.{_TRITON_MODULES[what]}")
     except Exception as e:  # a broken Triton install fails here, not at find_spec
         return f"import triton failed: {type(e).__name__}: {e}"
     return None
 
 
-def resolve_stats_backend(name: str, device: torch.device | str) -> str:
-    """Map a statistics backend choice to "torch" or "triton" for tensors on `device` (cached, logged once).
-
-    "auto" takes the kernel for CUDA tensors only. An explicit "triton" on CPU tensors is allowed only under Triton's
-    interpreter (TRITON_INTERPRET=1 before triton is imported): that is how the tests run the kernel without a GPU.
-    """
+def _resolve_triton(what: str, cache: dict, name: str, device: torch.device | str) -> str:
+    """Map a choice among ("auto", "torch", "triton") for the op `what` to "torch" or "triton" for tensors on
+    `device` (cached in `cache`, logged once). "auto" takes the kernel for CUDA tensors only. An explicit "triton" on
+    CPU tensors is allowed only under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported): that is
+    how the tests run the kernel without a GPU."""
     device = torch.device(device)
     key = (name, device.type)
-    if key in _stats_resolved:
-        return _stats_resolved[key]
+    if key in cache:
+        return cache[key]
     if name not in STATS_BACKENDS:
-        raise ValueError(f"unknown attention-statistics backend {name!r}; choose one of {', '.join(STATS_BACKENDS)}")
+        raise ValueError(f"unknown {what} backend {name!r}; choose one of {', '.join(STATS_BACKENDS)}")
     interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if name == "torch":
         reason = None
     elif device.type != "cuda" and (name == "auto" or not interpreting):
         reason = f"tensors on {device.type}"
     else:
-        reason = _triton_import_reason()
+        reason = _triton_import_reason(what)
     if name == "triton" and reason is not None:
-        raise RuntimeError(f"attention-statistics backend 'triton' was requested but is unavailable ({reason}); it "
-                           "needs CUDA tensors and `pip install triton` (bundled with CUDA builds of torch), or use "
-                           "backend 'torch'.")
+        raise RuntimeError(f"{what} backend 'triton' was requested but is unavailable ({reason}); it needs CUDA "
+                           "tensors and `pip install triton` (bundled with CUDA builds of torch), or use backend "
+                           "'torch'.")
     resolved = "torch" if name == "torch" or reason is not None else "triton"
-    logger.info("attention-statistics backend (%s tensors): %s -> %s%s", device.type, name, resolved,
+    logger.info("%s backend (%s tensors): %s -> %s%s", what, device.type, name, resolved,
                 f" ({reason})" if reason else "")
-    _stats_resolved[key] = resolved
+    cache[key] = resolved
     return resolved
+
+
+def resolve_stats_backend(name: str, device: torch.device | str) -> str:
+    """The attention-statistics kernel for tensors on `device`: "torch" or "triton" (see `_resolve_triton`)."""
+    return _resolve_triton("attention-statistics", _stats_resolved, name, device)
+
+
+def resolve_loss_backend(name: str, device: torch.device | str) -> str:
+    """The distillation loss's kernel over a chunk of logits for tensors on `device`: "torch" or "triton"."""
+    return _resolve_triton("distillation-loss", _loss_resolved, name, device)
+
+
+def loss_kernel(backend: str, device: torch.device | str, compiled: bool):
+    """The function that reduces one chunk of logits to the distillation loss and its gradient (`kd_chunk`'s
+    signature): ops/kd_triton.py's kernel, or ops/kd_torch.py's reference (compiled when `compiled`)."""
+    if resolve_loss_backend(backend, device) == "triton":
+        from .kd_triton import kd_chunk_triton
+        return kd_chunk_triton
+    return torch.compile(kd_torch.kd_chunk) if compiled else kd_torch.kd_chunk
 
 
 def attention_stats(q: torch.Tensor, k: torch.Tensor, scale: float, window: int | None = None,
