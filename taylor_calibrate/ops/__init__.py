@@ -132,8 +132,7 @@ def _fla_chunk_for_training(q, k, v, g, beta, **kw):
 
 
 # --- Triton kernels of our own: attention statistics and the distillation loss ---------------------------------------
-STATS_BACKENDS = ("auto", "torch", "triton")
-LOSS_BACKENDS = ("auto", "torch", "triton")
+STATS_BACKENDS = LOSS_BACKENDS = ("auto", "torch", "triton")
 _TRITON_MODULES = {"attention-statistics": "attention_stats_triton", "distillation-loss": "kd_triton"}
 _stats_resolved: dict[tuple[str, str], str] = {}
 _loss_resolved: dict[tuple[str, str], str] = {}
