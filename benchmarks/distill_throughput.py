@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gzip
 import json
 import shlex
 import statistics
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from perf_common import build_teacher, fmt, free, print_profile, top_ops
+from perf_common import build_teacher, fmt, free, kernels_table, print_profile, top_ops, trace_kernels
 
 from taylor_calibrate.config import DataArgs, GDNConfig, LOSS_HEADS, TrainArgs
 from taylor_calibrate.distill import distill
@@ -221,6 +222,7 @@ def main(argv=None):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--profile", action="store_true",
                     help="then a short run of the last path with its steady steps 4-6 under torch.profiler (top ops)")
+    ap.add_argument("--trace", default=None, help="with --profile: keep its chrome trace here (gzipped JSON)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random model and rows (CPU check of the script)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -259,8 +261,16 @@ def main(argv=None):
         with torch.profiler.profile(activities=acts, schedule=sched, record_shapes=True) as prof:
             run_path(heads[-1], student, teacher, rows, heldout, a, device, prof, a.loss_kernels.split(",")[-1])
         print_profile(prof, device)
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(f"{tmp}/trace.json")
+            trace = Path(f"{tmp}/trace.json").read_bytes()
+        if a.trace:
+            Path(a.trace).write_bytes(gzip.compress(trace))
+        kernels = trace_kernels(json.loads(trace))
+        print(kernels_table(kernels), flush=True)
         res["profile"] = {"head": heads[-1], "steps": PROFILE_STEPS, "unit": "self device ms and calls per step",
-                          "ops": top_ops(prof, PROFILE_STEPS), "by_shape": top_ops(prof, PROFILE_STEPS, by_shape=True)}
+                          "ops": top_ops(prof, PROFILE_STEPS), "by_shape": top_ops(prof, PROFILE_STEPS, by_shape=True),
+                          "kernels": kernels}
         save()
 
 if __name__ == "__main__":

@@ -192,6 +192,69 @@ def top_ops(prof, per: int, rows: int = 40, by_shape: bool = False) -> list[dict
              **({"shapes": str(e.input_shapes)[:200]} if by_shape else {})} for e in avgs]
 
 
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+CPU_CATS = ("cpu_op", "user_annotation")
+GENERIC = ("aten::", "cuda", "cu", "Memcpy", "Memset", "TorchDynamo", "Torch-Compiled", "ProfilerStep")
+
+
+def trace_kernels(trace: dict, rows: int = 40) -> dict:
+    """What a step's GPU time is made of, from a torch.profiler chrome trace (`export_chrome_trace`'s JSON): wall and
+    GPU-busy ms per profiled step (busy = the union of kernel intervals, so idle gaps show as wall - busy), and the
+    kernels with the most time per step, each with the op scope it was launched from (the innermost enclosing CPU
+    event that is not a generic aten / runtime call: a compiled graph, an autograd function, a record_function).
+    Unlike `top_ops`, nothing is counted twice: kernels do not nest."""
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    steps = [e for e in ev if str(e.get("name", "")).startswith("ProfilerStep#") and e.get("cat") in CPU_CATS]
+    gpu = sorted((e for e in ev if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+    n = max(len(steps), 1)
+    busy, end = 0.0, float("-inf")
+    for e in gpu:  # union of intervals
+        s, t = e["ts"], e["ts"] + e["dur"]
+        busy += max(0.0, t - max(s, end))
+        end = max(end, t)
+    # scope of each launch: a sweep over each CPU thread's properly nested events
+    launches = {e["args"]["correlation"]: e for e in ev
+                if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
+    scope_of = {}
+    by_tid = collections.defaultdict(list)
+    for e in ev:
+        if e.get("cat") in CPU_CATS + LAUNCH_CATS:
+            by_tid[(e.get("pid"), e.get("tid"))].append(e)
+    for items in by_tid.values():
+        items.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []
+        for e in items:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {}):
+                named = [s["name"] for s in stack if not str(s["name"]).startswith(GENERIC)]
+                scope_of[e["args"]["correlation"]] = named[-1] if named else (stack[-1]["name"] if stack else "")
+            else:
+                stack.append(e)
+    table = collections.defaultdict(lambda: [0.0, 0, collections.Counter()])
+    for e in gpu:
+        t = table[e["name"]]
+        t[0] += e["dur"]
+        t[1] += 1
+        corr = e.get("args", {}).get("correlation")
+        t[2][scope_of.get(corr, "") if corr in launches else ""] += e["dur"]
+    top = sorted(table.items(), key=lambda kv: -kv[1][0])[:rows]
+    wall = sum(e["dur"] for e in steps) / n / 1e3 if steps else None
+    return {"steps": len(steps), "wall_ms": wall, "gpu_busy_ms": busy / n / 1e3,
+            "gpu_kernel_ms": sum(e["dur"] for e in gpu) / n / 1e3,
+            "kernels": [{"kernel": k[:160], "ms": v[0] / n / 1e3, "calls": v[1] / n,
+                         "scope": v[2].most_common(1)[0][0][:160] if v[2] else ""} for k, v in top]}
+
+
+def kernels_table(summary: dict, rows: int = 25) -> str:
+    """`trace_kernels`' result as a markdown table (ms and calls per step)."""
+    head = (f"GPU busy {summary['gpu_busy_ms']:.1f} ms of {fmt(summary['wall_ms'], '.1f')} ms wall per step "
+            f"({summary['steps']} profiled steps)\n\n| kernel | ms/step | calls/step | launched from |\n|---|---|---|---|")
+    return "\n".join([head] + [f"| {k['kernel'][:90]} | {k['ms']:.2f} | {k['calls']:.0f} | {k['scope'][:70]} |"
+                               for k in summary["kernels"][:rows]])
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 

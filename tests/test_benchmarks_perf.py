@@ -94,3 +94,32 @@ def test_decode(tmp_path):
     for row in de["rows"].values():
         assert row["hybrid"]["min_bytes_per_step"] > 0 and row["roofline_speedup"] > 0
     assert "## Decode, graph-captured" in (tmp_path / "perf_decode.md").read_text()
+
+
+def test_trace_kernels_busy_time_and_launch_scopes():
+    """A hand-made chrome trace of two steps: busy time is the union of kernel intervals (an overlap counts once),
+    each kernel is tied through its launch's correlation id to the innermost non-generic op around the launch."""
+    pc = load_benchmark("perf_common")
+
+    def x(name, cat, ts, dur, tid=1, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
+
+    events = [x("ProfilerStep#4", "user_annotation", 0, 100), x("ProfilerStep#5", "user_annotation", 100, 100),
+              x("## Call CompiledFxGraph abc ##", "cpu_op", 1, 50), x("aten::mm", "cpu_op", 2, 10),
+              x("cudaLaunchKernel", "cuda_runtime", 3, 1, correlation=7),
+              x("cuLaunchKernelEx", "cuda_driver", 20, 1, correlation=8),
+              x("ChunkGatedDeltaRuleFunctionBackward", "cpu_op", 110, 40, tid=2),
+              x("cuLaunchKernel", "cuda_driver", 111, 1, tid=2, correlation=9),
+              x("gemm", "kernel", 10, 30, pid=0, tid=7, correlation=7),
+              x("triton_red", "kernel", 30, 20, pid=0, tid=8, correlation=8),  # overlaps gemm by 10
+              x("chunk_bwd", "kernel", 120, 40, pid=0, tid=7, correlation=9),
+              x("ProfilerStep#4", "gpu_user_annotation", 0, 100, pid=0)]  # a GPU-side annotation: not a step
+    s = pc.trace_kernels({"traceEvents": events})
+    assert s["steps"] == 2 and s["wall_ms"] == pytest.approx(0.1)
+    assert s["gpu_busy_ms"] == pytest.approx((40 + 40) / 2 / 1e3)  # [10, 50] and [120, 160]
+    assert s["gpu_kernel_ms"] == pytest.approx((30 + 20 + 40) / 2 / 1e3)
+    k = {r["kernel"]: r for r in s["kernels"]}
+    assert [r["kernel"] for r in s["kernels"]] == ["chunk_bwd", "gemm", "triton_red"]
+    assert k["gemm"]["scope"] == k["triton_red"]["scope"] == "## Call CompiledFxGraph abc ##"
+    assert k["chunk_bwd"]["scope"] == "ChunkGatedDeltaRuleFunctionBackward" and k["gemm"]["calls"] == 0.5
+    assert "| gemm | 0.01 |" in pc.kernels_table(s)
