@@ -55,7 +55,7 @@ from taylor_calibrate.ops import loss_kernel, resolve_backend, training_backend
 from taylor_calibrate.ops.kd_torch import kd_chunk
 from taylor_calibrate.stats import FarMass, observing
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype, teacher_hash
-from taylor_calibrate.training import Clock, autocast, warmup_cosine
+from taylor_calibrate.training import Clock, autocast, hold_frozen, release_frozen, warmup_cosine
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -714,7 +714,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     the rows were made from) go into the checkpoints' run identity; `start_over` is how the calling command starts
     the run over, named when its checkpoints cannot be resumed (another run's, damaged).
 
-    `student` holds fp32 master weights; on CUDA the forward runs under bf16 autocast. Evaluations at step 0,
+    `student` holds fp32 master weights; on CUDA the forward runs under bf16 autocast, with the parameters that do not
+    train held in bf16 meanwhile (`training.hold_frozen`; fp32 again on return). Evaluations at step 0,
     every `eval_every` steps and at the end go to metrics.jsonl with the tokens seen so far."""
     ctx = ctx or Dist()
     out = Path(out)
@@ -730,6 +731,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     identity = run_identity(student, trained, teacher_spec, args, {**(data or {}), **rows_of, "seq_len": seq})
     for n, p in student.named_parameters():
         p.requires_grad_(n in trained)
+    # FSDP2 casts every parameter to bf16 itself (its mixed-precision policy) and wants one dtype per unit
+    held = hold_frozen(student, device) if ctx.world == 1 or args.parallel == "ddp" else []
     teacher.requires_grad_(False).eval()
     compiled = args.compile if args.compile is not None else device.type == "cuda"
     kernel = loss_kernel(args.loss_kernel, device, compiled)
@@ -836,6 +839,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
 
     if compiled:
         uncompile_layers(*to_compile)
+    release_frozen(held)
     done = step if stop else steps
     report = run_report(student, teacher, trained, args, sched, seq, ctx, device, metrics, start,
                         clock.rate((done - start - 1) * tokens_per_step))

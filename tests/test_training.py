@@ -1,8 +1,12 @@
-"""What align and distill share (training.py): the learning-rate schedules and the row order."""
+"""What align and distill share (training.py): the learning-rate schedules, the row order and the mixed-precision
+rule."""
 import pytest
 import torch
+from conftest import tiny_teacher
 
-from taylor_calibrate.training import batch_indices, warmup_cosine, wsd
+from taylor_calibrate import GDNConfig, convert_teacher
+from taylor_calibrate.distill import trainable_names
+from taylor_calibrate.training import batch_indices, hold_frozen, release_frozen, warmup_cosine, wsd
 
 
 def test_warmup_cosine_is_distills_schedule():
@@ -23,3 +27,31 @@ def test_batch_indices_are_seeded_epochs():
     flat = rows.flatten()
     assert sorted(flat[:5].tolist()) == list(range(5)) and sorted(flat[5:10].tolist()) == list(range(5))
     assert torch.equal(rows, batch_indices(5, 2, 7, seed=3))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_hold_frozen_keeps_frozen_weights_in_bf16_and_trains_the_rest_in_fp32(arch):
+    """What distill does on CUDA, run under CPU autocast: frozen parameters (embedding, MLPs, kept heads) in bf16, the
+    GDN mixers' fp32 master weights get fp32 gradients, the residual stream is bf16; fp32 again afterwards, equal to
+    the bf16-rounded originals. Nothing is held on CPU."""
+    hybrid = convert_teacher(tiny_teacher(arch), [1, 2], GDNConfig(), kept_groups={1: [0]}).float()
+    trained = set(trainable_names(hybrid, "mixers"))
+    for n, p in hybrid.named_parameters():
+        p.requires_grad_(n in trained)
+    before = {n: p.detach().clone() for n, p in hybrid.named_parameters()}
+    assert hold_frozen(hybrid, torch.device("cpu")) == []
+    held = hold_frozen(hybrid, torch.device("cuda"))  # the device only picks the rule; nothing moves
+    assert held and all(p.dtype == torch.bfloat16 for p in held)
+    assert {n for n, p in hybrid.named_parameters() if p.dtype == torch.float32} == trained
+    ids = torch.randint(0, hybrid.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = hybrid(input_ids=ids, use_cache=False, output_hidden_states=True)
+        out.logits.float().logsumexp(-1).mean().backward()
+    assert out.hidden_states[0].dtype == torch.bfloat16  # the embedding's output: a bf16 residual stream
+    for n, p in hybrid.named_parameters():
+        assert (p.grad is not None and p.grad.dtype == torch.float32 and p.grad.isfinite().all()) == (n in trained), n
+    release_frozen(held)
+    for n, p in hybrid.named_parameters():
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p.detach(), before[n].to(torch.bfloat16).float() if n not in trained else before[n],
+                                   rtol=0, atol=0)
