@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from taylor_calibrate.model.mixers.gdn import GDNConfig
@@ -65,3 +66,27 @@ def test_short_conv_script_tiny(tmp_path):
     assert [x["form"] for x in res["rows"]] == ["conv1d", "shifted"] and all(x["ms_fwd_bwd"] > 0 for x in res["rows"])
     assert res["max_abs_out_diff"] < 1e-5 and res["max_rel_weight_grad_diff"] < 1e-5
     assert res["commit"] and "args" in res and "env" in res
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_qkv_matmul_equals_the_three_projections(bias):
+    """`features` runs q|k|v as one matmul over the projections' rows and its conv on that: the same q, k, v as
+    projecting apart and convolving them apart, and the same gradients for every projection."""
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(16, 2, 8, GDNConfig(), 0, qkv_bias=bias).double()
+    for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d):
+        torch.nn.init.normal_(c.weight)
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    grads = []
+    for fused in (True, False):
+        layer.zero_grad()
+        if fused:
+            q, k, v = layer._conv(layer._qkv(x), None).split(16, -1)
+        else:
+            q, k, v = layer._short_conv(layer.q_proj(x), layer.k_proj(x), layer.v_proj(x), None)
+        (torch.cat([q, k, v], -1) * torch.linspace(-1, 1, 48, dtype=torch.float64)).sum().backward()
+        grads.append([q.detach(), k.detach(), v.detach()]
+                     + [p.grad for m in (layer.q_proj, layer.k_proj, layer.v_proj) for p in m.parameters()])
+    assert len(grads[0]) == 6 + 3 * bias
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -60,32 +60,41 @@ class GatedDeltaNet(nn.Module):
         self.backend = "torch"  # set once for the whole model by HybridForCausalLM.set_backend
 
     # --- pieces, exposed so calibration and alignment can read intermediate quantities -------------------------
-    def _short_conv(self, q, k, v, cache):
-        """Causal depthwise conv over (q|k|v) channels; the cache keeps the last K-1 inputs for decoding. Written as
-        K shifted products (summed in fp32 at least) rather than `F.conv1d`: the same sums, and under torch.compile
-        one fused pointwise kernel with what follows (activation, l2norm), forward and backward, where a depthwise
-        convolution is an opaque library call with a slow weight gradient."""
-        T, K = q.shape[1], self.cfg.conv_size
-        x = torch.cat([q, k, v], dim=-1)  # (B, T, 3C)
+    def _qkv(self, x):
+        """q|k|v (B, T, 3C) in one matmul over the three projections' rows (a wider GEMM, and the short conv takes
+        the result as it is, with no concatenation of activations, forward or backward)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projs])
+        return F.linear(x, torch.cat([p.weight for p in projs]), bias)
+
+    def _conv(self, x, cache):
+        """Causal depthwise conv over the q|k|v channels of x (B, T, 3C); the cache keeps the last K-1 inputs for
+        decoding. Written as K shifted products (summed in fp32 at least) rather than `F.conv1d`: the same sums, and
+        under torch.compile one fused pointwise kernel with what follows (activation, l2norm), forward and backward,
+        where a depthwise convolution is an opaque library call with a slow weight gradient."""
+        T, K = x.shape[1], self.cfg.conv_size
         if cache is not None:
             x = cache.update_conv_state(x.transpose(1, 2), self.layer_idx, conv_kernel_size=K - 1).transpose(1, 2)
         acc = torch.promote_types(x.dtype, torch.float32)  # bf16 inputs sum in fp32, fp64 stays fp64
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0].to(acc)
-        x = F.pad(x, (0, 0, K - 1, 0))  # (B, S + K - 1, 3C): output t reads inputs t - K + 1 .. t
-        S = x.shape[1] - (K - 1)
-        y = sum(x[:, S - T + j:S + j].to(acc) * w[:, j] for j in range(K))
-        return y.to(q.dtype).split(q.shape[-1], dim=-1)
+        xp = F.pad(x, (0, 0, K - 1, 0))  # (B, S + K - 1, 3C): output t reads inputs t - K + 1 .. t
+        S = xp.shape[1] - (K - 1)
+        return sum(xp[:, S - T + j:S + j].to(acc) * w[:, j] for j in range(K)).to(x.dtype)
+
+    def _short_conv(self, q, k, v, cache):
+        """`_conv` of q, k, v given apart: (q, k, v) after the conv."""
+        return self._conv(torch.cat([q, k, v], dim=-1), cache).split(q.shape[-1], dim=-1)
 
     def features(self, x, cache=None, gdn_mask=None):
         """Inputs of the recurrence: q, k, v (B, T, H, D), log-decay g and write gate beta (B, T, H), both fp32."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qkv = self._qkv(x)
         if gdn_mask is not None:  # padded positions neither write nor decay: left padding becomes invisible
-            m = gdn_mask[:, -T:, None].to(q.dtype)
-            q, k, v = q * m, k * m, v * m
+            qkv = qkv * gdn_mask[:, -T:, None].to(qkv.dtype)
         if self.cfg.short_conv != "none":
-            q, k, v = self._short_conv(q, k, v, cache)
+            qkv = self._conv(qkv, cache)
+        q, k, v = qkv.split(H * D, dim=-1)
         q = _ACT[self.cfg.qk_activation](q).view(B, T, H, D)
         k = _ACT[self.cfg.qk_activation](k).view(B, T, H, D)
         v = _ACT[self.cfg.v_activation](v).view(B, T, H, D)
