@@ -1,9 +1,12 @@
 """Reliability through the CLI (issue 18): every bad input and fault ends with a non-zero exit and a message that
-names the problem, and nothing the user owns changes. Each case runs `python -m taylor_calibrate` in a subprocess on
-real files of a tiny random Llama teacher (a real SIGKILL where a kill is the case); the teacher directory is hashed
-before and after every test."""
+names the problem, and nothing the user owns changes. Each case runs the CLI's `main` in this process (`python -m
+taylor_calibrate` in a subprocess where a kill is the case) on real files of a tiny random Llama teacher; the teacher
+directory is hashed before and after every test."""
+import contextlib
 import hashlib
+import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -33,8 +36,25 @@ def _cmd(argv) -> list[str]:
 
 
 def cli(*argv) -> tuple[int, str]:
-    r = subprocess.run(_cmd(argv), env=ENV, capture_output=True, text=True, timeout=600)
-    return r.returncode, r.stdout + r.stderr
+    """`taylor-calibrate *argv` in this process (a subprocess pays seconds of imports per case; the cases that need
+    a real process, kills and signals, start one with `_cmd`): (exit code, what it printed and logged)."""
+    from taylor_calibrate.cli import main
+
+    buf = io.StringIO()
+    handler, root = logging.StreamHandler(buf), logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)  # what the CLI logs ("loading teacher": work began) is part of what a case reads
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            try:
+                rc = main([str(a) for a in argv])
+            except SystemExit as e:  # a parser's own exit
+                rc = e.code if isinstance(e.code, int) else 2
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    return rc, buf.getvalue()
 
 
 def tree(path: Path) -> dict[str, str]:

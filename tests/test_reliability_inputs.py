@@ -3,7 +3,6 @@ per output (a lock held by a real process); non-finite options refused at parse;
 off one. Refusals come before any model is loaded: those cases call the CLI's `main` in this process (a process
 start costs seconds); holders of a lock, hangs and terminals are real processes."""
 import contextlib
-import io
 import json
 import os
 import pty
@@ -20,13 +19,8 @@ from conftest import tiny_local_teacher
 from test_reliability import ENV, _cmd, cli, fails, succeeds, tree
 
 def main(*argv) -> tuple[int, str]:
-    """`taylor-calibrate *argv` in this process: (exit code, what it printed)."""
-    from taylor_calibrate.cli import main as cli_main
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-        rc = cli_main([str(a) for a in argv])
-    return rc, buf.getvalue()
+    """`taylor-calibrate *argv` in this process: (exit code, what it printed and logged)."""
+    return cli(*argv)
 
 
 SMALL = ["--data.seq_len", "64", "--data.calib_seqs", "4", "--data.eval_seqs", "2", "--phase2.steps", "2",
