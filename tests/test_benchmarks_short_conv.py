@@ -69,14 +69,16 @@ def test_short_conv_script_tiny(tmp_path):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_qkv_matmul_equals_the_three_projections(bias):
-    """`features` runs q|k|v as one matmul over the projections' rows and its conv on that: the same q, k, v as
-    projecting apart and convolving them apart, and the same gradients for every projection."""
+@pytest.mark.parametrize("T", [7, 12])  # 14 tokens <= 16 hidden units: outputs concatenated; 24: weights
+def test_one_qkv_matmul_equals_the_three_projections(bias, T):
+    """`features` runs q|k|v as one matmul over the projections' rows (or, for few tokens, concatenates their
+    outputs) and its conv on that: the same q, k, v as projecting apart and convolving them apart, and the same
+    gradients for every projection."""
     torch.manual_seed(0)
     layer = GatedDeltaNet(16, 2, 8, GDNConfig(), 0, qkv_bias=bias).double()
     for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d):
         torch.nn.init.normal_(c.weight)
-    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    x = torch.randn(2, T, 16, dtype=torch.float64)
     grads = []
     for fused in (True, False):
         layer.zero_grad()

@@ -61,9 +61,12 @@ class GatedDeltaNet(nn.Module):
 
     # --- pieces, exposed so calibration and alignment can read intermediate quantities -------------------------
     def _qkv(self, x):
-        """q|k|v (B, T, 3C) in one matmul over the three projections' rows (a wider GEMM, and the short conv takes
-        the result as it is, with no concatenation of activations, forward or backward)."""
+        """q|k|v (B, T, 3C), concatenating whichever is smaller: for more tokens than hidden units (prefill,
+        training) one matmul over the three projections' rows (a wider GEMM, no concatenation of activations forward
+        or backward), for fewer (decoding) the three projections' outputs."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
+        if x[..., 0].numel() <= x.shape[-1]:
+            return torch.cat([p(x) for p in projs], dim=-1)
         bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projs])
         return F.linear(x, torch.cat([p.weight for p in projs]), bias)
 
