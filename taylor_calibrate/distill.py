@@ -733,113 +733,117 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         p.requires_grad_(n in trained)
     # FSDP2 casts every parameter to bf16 itself (its mixed-precision policy) and wants one dtype per unit
     held = hold_frozen(student, device) if ctx.world == 1 or args.parallel == "ddp" else []
-    teacher.requires_grad_(False).eval()
-    compiled = args.compile if args.compile is not None else device.type == "cuda"
-    kernel = loss_kernel(args.loss_kernel, device, compiled)
-    fused = args.head == "fused"
-    if fused:  # both heads are what the fused loss assumes (a short row, eager, before anything is wrapped)
-        probe = rows[range(1)][:, :16].to(device)
-        with autocast(device):
-            check_head(student, probe, "student")
-            check_head(teacher, probe, "teacher")
-    layers = student.config.gdn_layers
-    far = FarMass(gdn_heads(teacher.config, layers, {i: student.config.kept_groups(i) for i in layers})) \
-        if args.far_weight else None
-    # an observed teacher (far_weight) runs eagerly: its attention goes through the statistics pass
-    to_compile = [student] + ([] if far else [teacher])
-    if compiled:
-        compile_layers(*to_compile)
-    model = wrap(student, ctx, args.parallel, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(params, args, device, ctx.world)
-    train_step = Step(model, student, teacher, args, sched, device, fused, far, kernel)
+    try:
+        teacher.requires_grad_(False).eval()
+        compiled = args.compile if args.compile is not None else device.type == "cuda"
+        kernel = loss_kernel(args.loss_kernel, device, compiled)
+        fused = args.head == "fused"
+        if fused:  # both heads are what the fused loss assumes (a short row, eager, before anything is wrapped)
+            probe = rows[range(1)][:, :16].to(device)
+            with autocast(device):
+                check_head(student, probe, "student")
+                check_head(teacher, probe, "teacher")
+        layers = student.config.gdn_layers
+        far = FarMass(gdn_heads(teacher.config, layers, {i: student.config.kept_groups(i) for i in layers})) \
+            if args.far_weight else None
+        # an observed teacher (far_weight) runs eagerly: its attention goes through the statistics pass
+        to_compile = [student] + ([] if far else [teacher])
+        if compiled:
+            compile_layers(*to_compile)
+        model = wrap(student, ctx, args.parallel, device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = make_optimizer(params, args, device, ctx.world)
+        train_step = Step(model, student, teacher, args, sched, device, fused, far, kernel)
 
-    start = 0
-    meta = resume_checkpoint(out, model, opt, identity, start_over) if resume else None
-    if meta is not None:
-        start = meta["step"]
-        log.info("resuming %s from step %d of %d (%s)", desc, start, steps, out / CKPT_DIR)
-        if ctx.main and start < steps:  # an earlier stop's report and model/ do not stand beside new checkpoints
-            clear_result(out)  # (a finished run run again trains nothing: its result stays until rewritten)
-    elif ctx.main:
-        clear_run(out)
-    if ctx.main:
-        out.mkdir(parents=True, exist_ok=True)
-    metrics = Metrics(out / METRICS, start, ctx.main)
-    extra = {"steps": steps, "tokens_per_step": tokens_per_step, "identity": identity}
+        start = 0
+        meta = resume_checkpoint(out, model, opt, identity, start_over) if resume else None
+        if meta is not None:
+            start = meta["step"]
+            log.info("resuming %s from step %d of %d (%s)", desc, start, steps, out / CKPT_DIR)
+            if ctx.main and start < steps:  # an earlier stop's report and model/ do not stand beside new checkpoints
+                clear_result(out)  # (a finished run run again trains nothing: its result stays until rewritten)
+        elif ctx.main:
+            clear_run(out)
+        if ctx.main:
+            out.mkdir(parents=True, exist_ok=True)
+        metrics = Metrics(out / METRICS, start, ctx.main)
+        extra = {"steps": steps, "tokens_per_step": tokens_per_step, "identity": identity}
 
-    seconds = {"eval_s": 0.0, "first_step_s": None}  # where the wall time goes besides the timed steps
+        seconds = {"eval_s": 0.0, "first_step_s": None}  # where the wall time goes besides the timed steps
 
-    def evaluate(step):
-        t = time.perf_counter()
-        res = heldout_eval(model, teacher, heldout, eval_batch_size, ctx, device, args.kl_chunk, kernel)
-        seconds["eval_s"] += time.perf_counter() - t
-        rec = {"step": step, "tokens": step * tokens_per_step, **res}
-        if not math.isfinite(rec["heldout_loss"]):
-            raise RuntimeError(f"{desc}: the held-out loss is {rec['heldout_loss']} at step {step}: the student's "
-                               "outputs are not finite; lower --train.lr (checkpoints before this step are kept)")
-        metrics.write(rec)
-        return rec
-
-    if start == 0:
-        start_kl = evaluate(0)["heldout_kl"]
-        if on_step is not None:
-            on_step(0, student)
-    else:
-        start_kl = next((r["heldout_kl"] for r in (metrics.read() if ctx.main else []) if r["step"] == 0
-                         and "heldout_kl" in r), None)
-    model.train()
-    bar = tqdm(range(start + 1, steps + 1), desc=desc, disable=not ctx.main, unit="step", leave=False)
-    clock = Clock(device)
-    stop = False
-    t_first = time.perf_counter()
-    for step in bar:
-        factor = warmup_cosine(step, steps, sched.warmup_steps)
-        for g in opt.param_groups:
-            g["lr"] = args.lr * factor
-        mine = step_windows(n_rows, args.batch_size, step, args.seed, ctx.rank, ctx.world)  # (per_rank,)
-        sums = train_step.run(rows, mine, step)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step == start + 1:  # the first step after a (re)start pays compilation and warm-up: not timed
-            clock.start()
-            seconds["first_step_s"] = clock.t0 - t_first
-        if step % args.log_every == 0 or step == steps:
-            keys = sorted(sums)
-            last = {k: v / ctx.world for k, v in zip(keys, all_sum([float(sums[k]) for k in keys], ctx, device))}
-            rec = {"step": step, "tokens": step * tokens_per_step, "lr": args.lr * factor,
-                   "grad_norm": float(grad_norm), **last}
-            tps = clock.rate((step - start - 1) * tokens_per_step)
-            if tps:
-                rec["tokens_per_s"] = tps
+        def evaluate(step):
+            t = time.perf_counter()
+            res = heldout_eval(model, teacher, heldout, eval_batch_size, ctx, device, args.kl_chunk, kernel)
+            seconds["eval_s"] += time.perf_counter() - t
+            rec = {"step": step, "tokens": step * tokens_per_step, **res}
+            if not math.isfinite(rec["heldout_loss"]):
+                raise RuntimeError(f"{desc}: the held-out loss is {rec['heldout_loss']} at step {step}: the student's "
+                                   "outputs are not finite; lower --train.lr (checkpoints before this step are kept)")
             metrics.write(rec)
-            bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{tps or 0:,.0f}")
-            if not math.isfinite(last["loss"]):
-                raise RuntimeError(f"{desc}: the loss is {last['loss']} at step {step}; lower --train.lr "
-                                   "(checkpoints before this step are kept)")
-        if step % sched.eval_every == 0 or step == steps:
-            with clock.paused():
-                kl = evaluate(step)["heldout_kl"]
-            if ctx.main and start_kl is not None and kl > start_kl:  # moving away from the teacher: lr too high
-                log.warning("%s: held-out KL to the teacher %.4f at step %d, above the %.4f the student started from: "
-                            "--train.lr %g may be too high for this model; lower it if this persists", desc, kl, step,
-                            start_kl, args.lr)
-        if on_step is not None:
-            with clock.paused():
-                on_step(step, student)
-        stop = deadline is not None and step < steps and (  # every process stops at the same step
-            time.monotonic() > deadline if ctx.world == 1 else all_sum([time.monotonic() > deadline], ctx, device)[0])
-        if step % args.save_every == 0 or step == steps or stop:
-            with clock.paused():
-                save_checkpoint(out, step, model, opt, ctx, extra)
-        if stop:
-            log.info("%s: past the deadline at step %d of %d: checkpointed; run again to continue", desc, step, steps)
-            break
+            return rec
 
-    if compiled:
-        uncompile_layers(*to_compile)
-    release_frozen(held)
+        if start == 0:
+            start_kl = evaluate(0)["heldout_kl"]
+            if on_step is not None:
+                on_step(0, student)
+        else:
+            start_kl = next((r["heldout_kl"] for r in (metrics.read() if ctx.main else []) if r["step"] == 0
+                             and "heldout_kl" in r), None)
+        model.train()
+        bar = tqdm(range(start + 1, steps + 1), desc=desc, disable=not ctx.main, unit="step", leave=False)
+        clock = Clock(device)
+        stop = False
+        t_first = time.perf_counter()
+        for step in bar:
+            factor = warmup_cosine(step, steps, sched.warmup_steps)
+            for g in opt.param_groups:
+                g["lr"] = args.lr * factor
+            mine = step_windows(n_rows, args.batch_size, step, args.seed, ctx.rank, ctx.world)  # (per_rank,)
+            sums = train_step.run(rows, mine, step)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == start + 1:  # the first step after a (re)start pays compilation and warm-up: not timed
+                clock.start()
+                seconds["first_step_s"] = clock.t0 - t_first
+            if step % args.log_every == 0 or step == steps:
+                keys = sorted(sums)
+                last = {k: v / ctx.world for k, v in zip(keys, all_sum([float(sums[k]) for k in keys], ctx, device))}
+                rec = {"step": step, "tokens": step * tokens_per_step, "lr": args.lr * factor,
+                       "grad_norm": float(grad_norm), **last}
+                tps = clock.rate((step - start - 1) * tokens_per_step)
+                if tps:
+                    rec["tokens_per_s"] = tps
+                metrics.write(rec)
+                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{tps or 0:,.0f}")
+                if not math.isfinite(last["loss"]):
+                    raise RuntimeError(f"{desc}: the loss is {last['loss']} at step {step}; lower --train.lr "
+                                       "(checkpoints before this step are kept)")
+            if step % sched.eval_every == 0 or step == steps:
+                with clock.paused():
+                    kl = evaluate(step)["heldout_kl"]
+                if ctx.main and start_kl is not None and kl > start_kl:  # moving away from the teacher: lr too high
+                    log.warning("%s: held-out KL to the teacher %.4f at step %d, above the %.4f the student started "
+                                "from: --train.lr %g may be too high for this model; lower it if this persists", desc,
+                                kl, step, start_kl, args.lr)
+            if on_step is not None:
+                with clock.paused():
+                    on_step(step, student)
+            late = time.monotonic() > deadline if deadline is not None else False
+            stop = deadline is not None and step < steps and (  # every process stops at the same step
+                late if ctx.world == 1 else all_sum([late], ctx, device)[0])
+            if step % args.save_every == 0 or step == steps or stop:
+                with clock.paused():
+                    save_checkpoint(out, step, model, opt, ctx, extra)
+            if stop:
+                log.info("%s: past the deadline at step %d of %d: checkpointed; run again to continue", desc, step,
+                         steps)
+                break
+
+        if compiled:
+            uncompile_layers(*to_compile)
+    finally:  # a run that raises hands its student back in fp32 too
+        release_frozen(held)
     done = step if stop else steps
     report = run_report(student, teacher, trained, args, sched, seq, ctx, device, metrics, start,
                         clock.rate((done - start - 1) * tokens_per_step))
