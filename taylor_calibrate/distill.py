@@ -829,7 +829,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             if on_step is not None:
                 with clock.paused():
                     on_step(step, student)
-            late = time.monotonic() > deadline if deadline is not None else False
+            late = deadline is not None and time.monotonic() > deadline
             stop = deadline is not None and step < steps and (  # every process stops at the same step
                 late if ctx.world == 1 else all_sum([late], ctx, device)[0])
             if step % args.save_every == 0 or step == steps or stop:

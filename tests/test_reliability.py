@@ -50,7 +50,7 @@ def cli(*argv) -> tuple[int, str]:
             try:
                 rc = main([str(a) for a in argv])
             except SystemExit as e:  # a parser's own exit
-                rc = e.code if isinstance(e.code, int) else 2
+                rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1  # as the interpreter maps it
     finally:
         root.removeHandler(handler)
         root.setLevel(level)

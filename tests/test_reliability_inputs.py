@@ -18,9 +18,7 @@ import pytest
 from conftest import tiny_local_teacher
 from test_reliability import ENV, _cmd, cli, fails, succeeds, tree
 
-def main(*argv) -> tuple[int, str]:
-    """`taylor-calibrate *argv` in this process: (exit code, what it printed and logged)."""
-    return cli(*argv)
+main = cli  # `taylor-calibrate *argv` in this process: (exit code, what it printed and logged)
 
 
 SMALL = ["--data.seq_len", "64", "--data.calib_seqs", "4", "--data.eval_seqs", "2", "--phase2.steps", "2",
