@@ -37,6 +37,7 @@ from taylor_calibrate.distill import distill
 from taylor_calibrate.ops import LOSS_BACKENDS, resolve_loss_backend
 from taylor_calibrate.results import record
 from taylor_calibrate.teacher import DEFAULT_TEACHER, resolve_device
+from taylor_calibrate.training import resolve_attention
 
 CONVERT = "--policy heads --kv_budget 0.25 --init copy --align false --probe_samples 2 --data.seq_len 256 " \
           "--data.calib_seqs 4 --data.eval_seqs 2"
@@ -89,15 +90,18 @@ def models(a, device, dtype) -> tuple:
 PROFILE_WAIT, PROFILE_STEPS = 3, 3  # profiled: after step 0's evaluation, two steps and one warm-up step
 
 
-def run_path(head: str, student0, teacher, rows, heldout, a, device, prof=None, loss_kernel: str = "auto") -> dict:
+def run_path(head: str, student0, teacher, rows, heldout, a, device, prof=None, loss_kernel: str = "auto",
+             attention: str = "auto") -> dict:
     """`distill` of a fresh copy of the student with the loss path `head`: throughput, peak memory, loss curve.
     `prof` (a torch.profiler schedule) steps at each optimizer step, so it sees whole steady steps only."""
     B, T, steps = a.batch_size, a.seq_len, a.steps
     micro = min(a.micro, B)
     args = TrainArgs(tokens=B * T * steps, batch_size=B, micro_batch_size=micro, train=a.train, head=head,
-                     kl_chunk=a.kl_chunk, loss_kernel=loss_kernel, eval_every=10 ** 9, save_every=10 ** 9,
+                     kl_chunk=a.kl_chunk, loss_kernel=loss_kernel, attention=attention, eval_every=10 ** 9,
+                     save_every=10 ** 9,
                      log_every=1, compile=a.compile)
-    row = {"head": head, "loss_kernel": resolve_loss_backend(loss_kernel, device), "micro_batch": micro, "batch": B,
+    row = {"head": head, "loss_kernel": resolve_loss_backend(loss_kernel, device),
+           "attention": resolve_attention(attention, student0.config, T, device), "micro_batch": micro, "batch": B,
            "seq_len": T, "kl_chunk": a.kl_chunk}
     student = copy.deepcopy(student0)
     torch._dynamo.reset()  # each path compiles afresh (in its untimed first step), not within the other's graph budget
@@ -146,7 +150,7 @@ def compare(rows: list[dict]) -> dict | None:
     done = [r for r in rows if r.get("loss")]
     by, out = {}, {}
     for r in done:
-        by.setdefault((r["head"], r["loss_kernel"]), r)
+        by.setdefault((r["head"], r["loss_kernel"], r.get("attention")), r)
     first = {}
     for r in done:
         first.setdefault(r["head"], r)
@@ -158,21 +162,29 @@ def compare(rows: list[dict]) -> dict | None:
             out["speedup"] = b["tokens_per_s"] / a["tokens_per_s"]
         if a.get("peak_mem_gb") and b.get("peak_mem_gb"):
             out["peak_mem_ratio"] = b["peak_mem_gb"] / a["peak_mem_gb"]
-    again = next((r for r in done if r is not by[r["head"], r["loss_kernel"]]), None)
+    again = next((r for r in done if r is not by[r["head"], r["loss_kernel"], r.get("attention")]), None)
     if again is not None:
-        out["same_path_rerun"] = {"head": again["head"], **_curve_gap(by[again["head"], again["loss_kernel"]], again)}
-    torch_, triton_ = by.get(("fused", "torch")), by.get(("fused", "triton"))
+        first_of = by[again["head"], again["loss_kernel"], again.get("attention")]
+        out["same_path_rerun"] = {"head": again["head"], **_curve_gap(first_of, again)}
+    pick = {(k[0], k[1]): r for k, r in reversed(by.items())}  # (head, kernel): its first row
+    torch_, triton_ = pick.get(("fused", "torch")), pick.get(("fused", "triton"))
     if torch_ and triton_:
         out["triton_vs_torch"] = _curve_gap(torch_, triton_)
         if torch_.get("tokens_per_s") and triton_.get("tokens_per_s"):
             out["triton_kernel_speedup"] = triton_["tokens_per_s"] / torch_["tokens_per_s"]
+    attn = {k[2]: r for k, r in reversed(by.items())}
+    if {"sdpa", "flex_attention"} <= set(attn):
+        sdpa, flex = attn["sdpa"], attn["flex_attention"]
+        out["flex_vs_sdpa"] = _curve_gap(sdpa, flex)
+        if sdpa.get("tokens_per_s") and flex.get("tokens_per_s"):
+            out["flex_speedup"] = flex["tokens_per_s"] / sdpa["tokens_per_s"]
     return out or None
 
 
 def table(res: dict) -> str:
-    out = ["| loss path | loss kernel | micro-batch | tokens/step | tokens/s | median-step tokens/s | MFU | peak GB | "
+    out = ["| loss path | loss kernel | attention | micro-batch | tokens/step | tokens/s | median-step tokens/s | MFU | peak GB | "
            "first step s | step 2 s | first -> last loss |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         tps = "OOM" if r.get("oom") else f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
@@ -181,7 +193,7 @@ def table(res: dict) -> str:
         med = f"{r['median_step_tokens_per_s']:,.0f}" if r.get("median_step_tokens_per_s") else "-"
         first = fmt(r.get("first_step_s"), ".1f")
         second = fmt(r["step_s"][0], ".2f") if r.get("step_s") else "-"
-        out.append(f"| {r['head']} | {r.get('loss_kernel', '-')} | {r['micro_batch']} x {r['seq_len']} | {r['batch'] * r['seq_len']:,} | {tps} | "
+        out.append(f"| {r['head']} | {r.get('loss_kernel', '-')} | {r.get('attention', 'sdpa')} | {r['micro_batch']} x {r['seq_len']} | {r['batch'] * r['seq_len']:,} | {tps} | "
                    f"{med} | {mfu} | {gb} | {first} | {second} | {loss} |")
     c = res.get("comparison") or {}
     if "max_abs_loss_diff" in c:
@@ -192,6 +204,11 @@ def table(res: dict) -> str:
         r, sp = c["triton_vs_torch"], c.get("triton_kernel_speedup")
         out += ["", f"The fused path's loss kernel, Triton against compiled PyTorch, over {r['steps']} steps: max "
                     f"|difference| = {r['max_abs_loss_diff']:.2e}, final loss {r['final_loss_diff']:+.4f}"
+                    + (f", speedup {sp:.2f}x." if sp else ".")]
+    if "flex_vs_sdpa" in c:
+        r, sp = c["flex_vs_sdpa"], c.get("flex_speedup")
+        out += ["", f"flex_attention against sdpa over {r['steps']} steps: max |difference| = "
+                    f"{r['max_abs_loss_diff']:.2e}, final loss {r['final_loss_diff']:+.4f}"
                     + (f", speedup {sp:.2f}x." if sp else ".")]
     if "same_path_rerun" in c:
         r = c["same_path_rerun"]
@@ -215,6 +232,8 @@ def main(argv=None):
     ap.add_argument("--kl-chunk", type=int, default=TrainArgs.kl_chunk, help="tokens per chunk of the loss")
     ap.add_argument("--loss-kernels", default="auto",
                     help=f"--train.loss_kernel values ({', '.join(LOSS_BACKENDS)}) to run each path with, in order")
+    ap.add_argument("--attentions", default="auto",
+                    help="comma list of --train.attention values, each a run of every path (auto, sdpa, flex_attention)")
     ap.add_argument("--train", default="mixers", help="which parameters train (--train.train)")
     ap.add_argument("--eval-rows", type=int, default=2, help="held-out rows evaluated at the start and the end")
     ap.add_argument("--compile", default="auto", choices=("auto", "true", "false"))
@@ -246,11 +265,13 @@ def main(argv=None):
 
     for head in heads:
         for kernel in a.loss_kernels.split(","):
-            row = run_path(head, student, teacher, rows, heldout, a, device, loss_kernel=kernel)
-            print(json.dumps({k: v for k, v in row.items() if k != "loss"}), flush=True)
-            res["rows"].append(row)
-            res["comparison"] = compare(res["rows"])
-            save()
+            for attention in a.attentions.split(","):
+                row = run_path(head, student, teacher, rows, heldout, a, device, loss_kernel=kernel,
+                               attention=attention)
+                print(json.dumps({k: v for k, v in row.items() if k != "loss"}), flush=True)
+                res["rows"].append(row)
+                res["comparison"] = compare(res["rows"])
+                save()
     print(json.dumps(res, indent=1))
     print(table(res))
     if a.profile:  # a run of its own: the profiler's overhead stays out of the timed paths
@@ -259,7 +280,8 @@ def main(argv=None):
                                                          if device.type == "cuda" else [])
         sched = torch.profiler.schedule(wait=PROFILE_WAIT, warmup=1, active=PROFILE_STEPS, repeat=1)
         with torch.profiler.profile(activities=acts, schedule=sched, record_shapes=True) as prof:
-            run_path(heads[-1], student, teacher, rows, heldout, a, device, prof, a.loss_kernels.split(",")[-1])
+            run_path(heads[-1], student, teacher, rows, heldout, a, device, prof, a.loss_kernels.split(",")[-1],
+                     a.attentions.split(",")[-1])
         print_profile(prof, device)
         with tempfile.TemporaryDirectory() as tmp:
             prof.export_chrome_trace(f"{tmp}/trace.json")

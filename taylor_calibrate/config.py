@@ -482,6 +482,7 @@ class EvalArgs(NiahArgs):
 
 
 PARALLEL = ("ddp", "fsdp")
+ATTENTIONS = ("auto", "sdpa", "flex_attention")
 TRAIN_MODES = ("mixers", "gdn", "all")
 LOSS_HEADS = ("fused", "logits")
 
@@ -525,6 +526,10 @@ class TrainArgs:
     """The kernel that reduces each chunk of logits to the loss and its gradient: "triton" (ops/kd_triton.py, two
     passes over the logits, CUDA), "torch" (ops/kd_torch.py, compiled under `compile`), "auto" (triton on a GPU when
     triton imports). The same loss either way."""
+    attention: str = "auto"
+    """transformers' attention implementation while training: "sdpa", "flex_attention", or "auto" (flex_attention on
+    CUDA when a sliding window is shorter than the rows: it skips the blocks outside the window that sdpa computes
+    under a dense mask; else sdpa). The same attention either way; held-out evaluations and the saved model keep sdpa."""
     repeat_spans: float = 0.0
     """Fraction of training rows given a repeated span: a piece of the row's own text copied again later in the row,
     which the teacher predicts by attending back over the gap; trains the retrieval a hybrid keeps (docs/method.md,
@@ -569,6 +574,8 @@ class TrainArgs:
             raise ValueError(f"--train.head={self.head!r} is not one of {LOSS_HEADS}")
         if self.loss_kernel not in LOSS_BACKENDS:
             raise ValueError(f"--train.loss_kernel={self.loss_kernel!r} is not one of {LOSS_BACKENDS}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"--train.attention={self.attention!r} is not one of {ATTENTIONS}")
         if self.kl_chunk < 1:
             raise ValueError(f"--train.kl_chunk={self.kl_chunk} must be >= 1 (tokens per chunk)")
         for name in ("tokens", "batch_size", "micro_batch_size", "eval_every", "save_every", "log_every"):

@@ -55,7 +55,8 @@ from taylor_calibrate.ops import loss_kernel, resolve_backend, training_backend
 from taylor_calibrate.ops.kd_torch import kd_chunk
 from taylor_calibrate.stats import FarMass, observing
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype, teacher_hash
-from taylor_calibrate.training import Clock, autocast, hold_frozen, release_frozen, warmup_cosine
+from taylor_calibrate.training import (Clock, autocast, hold_frozen, release_frozen, resolve_attention, restore_attention,
+                                       swap_attention, warmup_cosine)
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -413,7 +414,7 @@ def run_identity(student, trained: set[str], teacher: str | None, args: TrainArg
         if name in trained:
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     shaping = {k: v for k, v in asdict(args).items()
-               if k not in ("eval_every", "save_every", "log_every", "compile", "loss_kernel", "parallel",
+               if k not in ("eval_every", "save_every", "log_every", "compile", "loss_kernel", "attention", "parallel",
                             "peak_tflops", "micro_batch_size", "head", "kl_chunk")}  # how the loss is computed, not what
 
     def where(spec):  # a local path compares by where it is, however it was spelled
@@ -733,6 +734,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         p.requires_grad_(n in trained)
     # FSDP2 casts every parameter to bf16 itself (its mixed-precision policy) and wants one dtype per unit
     held = hold_frozen(student, device) if ctx.world == 1 or args.parallel == "ddp" else []
+    swapped = []  # (model, its own attention implementation) while the run uses another
     try:
         teacher.requires_grad_(False).eval()
         compiled = args.compile if args.compile is not None else device.type == "cuda"
@@ -748,6 +750,10 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             if args.far_weight else None
         # an observed teacher (far_weight) runs eagerly: its attention goes through the statistics pass
         to_compile = [student] + ([] if far else [teacher])
+        impl = resolve_attention(args.attention, student.config, seq, device)
+        if ctx.main:
+            log.info("%s: attention %s for %d-token rows", desc, impl, seq)
+        swapped = swap_attention(to_compile, impl)
         if compiled:
             compile_layers(*to_compile)
         model = wrap(student, ctx, args.parallel, device)
@@ -782,10 +788,15 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             metrics.write(rec)
             return rec
 
+        def after_step(step):  # the caller's hook (recovery's NIAH: generate) sees the student's own attention
+            restore_attention(swapped)
+            on_step(step, student)
+            swap_attention(to_compile, impl)
+
         if start == 0:
             start_kl = evaluate(0)["heldout_kl"]
             if on_step is not None:
-                on_step(0, student)
+                after_step(0)
         else:
             start_kl = next((r["heldout_kl"] for r in (metrics.read() if ctx.main else []) if r["step"] == 0
                              and "heldout_kl" in r), None)
@@ -828,7 +839,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
                                 kl, step, start_kl, args.lr)
             if on_step is not None:
                 with clock.paused():
-                    on_step(step, student)
+                    after_step(step)
             late = deadline is not None and time.monotonic() > deadline
             stop = deadline is not None and step < steps and (  # every process stops at the same step
                 late if ctx.world == 1 else all_sum([late], ctx, device)[0])
@@ -842,8 +853,9 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
 
         if compiled:
             uncompile_layers(*to_compile)
-    finally:  # a run that raises hands its student back in fp32 too
+    finally:  # a run that raises hands its student back in fp32 (and its own attention) too
         release_frozen(held)
+        restore_attention(swapped)
     done = step if stop else steps
     report = run_report(student, teacher, trained, args, sched, seq, ctx, device, metrics, start,
                         clock.rate((done - start - 1) * tokens_per_step))

@@ -1,5 +1,5 @@
 """What the two training stages (phase 2 alignment, recovery distillation) share: the learning-rate schedules, the row
-order, the mixed-precision rule and a training clock."""
+order, the mixed-precision rule, the attention kernel for training rows and a training clock."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +8,10 @@ import time
 
 import torch
 from torch import Tensor
+
+from taylor_calibrate.config import ATTENTIONS
+from taylor_calibrate.memory import SLIDING_TYPES
+from taylor_calibrate.model.hybrid_config import cached_layer_types
 
 
 def wsd(step: int, steps: int, decay_fraction: float) -> float:
@@ -62,6 +66,39 @@ def release_frozen(held: list[torch.nn.Parameter]) -> None:
     """Undo `hold_frozen`: its parameters are fp32 again (with the bf16 values they trained beside)."""
     for p in held:
         p.data = p.data.float()
+
+
+def windowed(config, seq_len: int) -> bool:
+    """Whether some attention layer of `config` (teacher or hybrid) has a sliding window shorter than `seq_len`."""
+    window = getattr(config, "sliding_window", None)
+    return bool(window) and window < seq_len and any(t in SLIDING_TYPES for t in cached_layer_types(config))
+
+
+def resolve_attention(choice: str, config, seq_len: int, device: torch.device) -> str:
+    """The attention implementation for training on rows of `seq_len` tokens. "auto": flex_attention on CUDA when a
+    sliding window is shorter than the row (sdpa then gets a dense T x T mask and computes every block of it, where
+    flex_attention's block mask skips the blocks outside the window), else sdpa (causal rows go to its flash kernels)."""
+    if choice not in ATTENTIONS:
+        raise ValueError(f"--train.attention={choice!r} is not one of {ATTENTIONS}")
+    if choice == "auto":
+        return "flex_attention" if device.type == "cuda" and windowed(config, seq_len) else "sdpa"
+    return choice
+
+
+def swap_attention(models, impl: str) -> list:
+    """Run `models` with transformers' attention implementation `impl`; returns what `restore_attention` needs."""
+    before = [(m, m.config._attn_implementation) for m in models]
+    for m, old in before:
+        if old != impl:
+            m.set_attn_implementation(impl)
+    return before
+
+
+def restore_attention(before: list) -> None:
+    """Undo `swap_attention`: each model's own implementation again."""
+    for m, old in before:
+        if m.config._attn_implementation != old:
+            m.set_attn_implementation(old)
 
 
 class Clock:

@@ -1,12 +1,13 @@
-"""What align and distill share (training.py): the learning-rate schedules, the row order and the mixed-precision
-rule."""
+"""What align and distill share (training.py): the learning-rate schedules, the row order, the mixed-precision
+rule and the attention implementation for training rows."""
 import pytest
 import torch
 from conftest import tiny_teacher
 
 from taylor_calibrate import GDNConfig, convert_teacher
 from taylor_calibrate.distill import trainable_names
-from taylor_calibrate.training import batch_indices, hold_frozen, release_frozen, warmup_cosine, wsd
+from taylor_calibrate.training import (batch_indices, hold_frozen, release_frozen, resolve_attention, restore_attention,
+                                       swap_attention, warmup_cosine, wsd)
 
 
 def test_warmup_cosine_is_distills_schedule():
@@ -55,3 +56,38 @@ def test_hold_frozen_keeps_frozen_weights_in_bf16_and_trains_the_rest_in_fp32(ar
         assert p.dtype == torch.float32
         torch.testing.assert_close(p.detach(), before[n].to(torch.bfloat16).float() if n not in trained else before[n],
                                    rtol=0, atol=0)
+
+
+def test_auto_attention_takes_flex_on_cuda_only_for_rows_longer_than_a_window():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    gemma = tiny_teacher("gemma3_text")  # window 8 on three of four layers
+    assert resolve_attention("auto", gemma.config, 64, cuda) == "flex_attention"
+    assert resolve_attention("auto", gemma.config, 8, cuda) == "sdpa"  # the window covers the row
+    assert resolve_attention("auto", gemma.config, 64, cpu) == "sdpa"
+    assert resolve_attention("auto", tiny_teacher("mistral").config, 64, cuda) == "flex_attention"  # window 32
+    for arch in ("llama", "qwen2"):  # no windows (Qwen2 without use_sliding_window)
+        assert resolve_attention("auto", tiny_teacher(arch).config, 4096, cuda) == "sdpa"
+    hybrid = convert_teacher(gemma, [3], GDNConfig())  # the global layer converted: the windows stay
+    assert resolve_attention("auto", hybrid.config, 64, cuda) == "flex_attention"
+    assert resolve_attention("sdpa", gemma.config, 64, cuda) == "sdpa"
+    with pytest.raises(ValueError, match="attention"):
+        resolve_attention("flash", gemma.config, 64, cpu)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
+def test_flex_attention_gives_the_sdpa_hybrid_and_teacher_on_rows_past_the_window(arch):
+    """The same logits from flex_attention's block mask as from sdpa's dense window mask (rows 5 windows long; a
+    head-wise layer's kept heads too), and each model's own implementation back after `restore_attention`."""
+    teacher = tiny_teacher(arch)
+    teacher.set_attn_implementation("sdpa")
+    hybrid = convert_teacher(teacher, [1, 3], GDNConfig(), kept_groups={1: [0]}).float().eval()
+    ids = torch.randint(0, 97, (2, 5 * teacher.config.sliding_window))
+    with torch.no_grad():
+        want = [m(ids).logits for m in (hybrid, teacher)]
+        before = swap_attention([hybrid, teacher], "flex_attention")
+        assert hybrid.model.layers[1].self_attn.attn.config._attn_implementation == "flex_attention"
+        got = [m(ids).logits for m in (hybrid, teacher)]
+        restore_attention(before)
+    assert [m.config._attn_implementation for m in (hybrid, teacher)] == ["sdpa", "sdpa"]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
