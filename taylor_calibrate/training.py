@@ -82,6 +82,9 @@ def resolve_attention(choice: str, config, seq_len: int, device: torch.device) -
         raise ValueError(f"--train.attention={choice!r} is not one of {ATTENTIONS}")
     if choice == "auto":
         return "flex_attention" if device.type == "cuda" and windowed(config, seq_len) else "sdpa"
+    if choice == "flex_attention" and device.type != "cuda":
+        raise ValueError(f"--train.attention flex_attention trains on CUDA only (torch has no flex_attention backward "
+                         f"on {device.type}); use --train.attention sdpa or auto here")
     return choice
 
 

@@ -72,6 +72,8 @@ def test_auto_attention_takes_flex_on_cuda_only_for_rows_longer_than_a_window():
     assert resolve_attention("sdpa", gemma.config, 64, cuda) == "sdpa"
     with pytest.raises(ValueError, match="attention"):
         resolve_attention("flash", gemma.config, 64, cpu)
+    with pytest.raises(ValueError, match="CUDA only.*sdpa or auto"):  # named on a CPU: a clear error, not torch's
+        resolve_attention("flex_attention", gemma.config, 64, cpu)
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
