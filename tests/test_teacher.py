@@ -105,3 +105,32 @@ def test_gguf_tokenizer_takes_vocabulary_words_whole_where_llama_cpp_does(monkey
     monkeypatch.setattr(teacher_mod, "gguf_pre_tokenizer", lambda path: pre)
     tok = teacher_mod.load_tokenizer()
     assert json.loads(tok.backend_tokenizer.to_str())["model"]["ignore_merges"] is whole
+
+
+def test_a_gguf_teacher_is_parsed_once_and_loads_as_before(monkeypatch):
+    """transformers reads a GGUF three times (config, weights, tokenizer); inside load_teacher they share one reader,
+    and the teacher is the same: equal weights and token ids to a load without sharing, which parses three times."""
+    import contextlib
+
+    import gguf
+    import torch
+
+    import taylor_calibrate.teacher as teacher_mod
+
+    real, made = gguf.GGUFReader, []
+
+    def counting(path, *args, **kwargs):
+        made.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    shared = load_teacher()
+    assert len(made) == 1 and gguf.GGUFReader is counting  # one parse; the library's reader back afterwards
+    monkeypatch.setattr(teacher_mod, "shared_gguf_readers", contextlib.nullcontext)
+    made.clear()
+    plain = load_teacher()
+    assert len(made) == 3
+    want = plain.model.state_dict()
+    assert all(torch.equal(t, want[k]) for k, t in shared.model.state_dict().items())
+    text = "def f(x):\n    return x * 12345  # héllo"
+    assert shared.tokenizer(text)["input_ids"] == plain.tokenizer(text)["input_ids"]
