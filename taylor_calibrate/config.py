@@ -529,7 +529,8 @@ class TrainArgs:
     attention: str = "auto"
     """transformers' attention implementation while training: "sdpa", "flex_attention", or "auto" (flex_attention on
     CUDA when a sliding window is shorter than the rows: it skips the blocks outside the window that sdpa computes
-    under a dense mask; else sdpa). The same attention either way; held-out evaluations and the saved model keep sdpa."""
+    under a dense mask; else sdpa). The same attention either way; the run's held-out evaluations use it too, and the
+    trained model is handed back and saved with its own implementation."""
     repeat_spans: float = 0.0
     """Fraction of training rows given a repeated span: a piece of the row's own text copied again later in the row,
     which the teacher predicts by attending back over the gap; trains the retrieval a hybrid keeps (docs/method.md,

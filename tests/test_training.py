@@ -93,3 +93,23 @@ def test_flex_attention_gives_the_sdpa_hybrid_and_teacher_on_rows_past_the_windo
     assert [m.config._attn_implementation for m in (hybrid, teacher)] == ["sdpa", "sdpa"]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_distill_trains_with_the_attention_asked_for_and_hands_the_models_back_with_their_own(tmp_path):
+    """distill runs teacher and student with --train.attention (sdpa here, for models that use eager attention);
+    the on_step hook (recovery's generate) and the caller get each model's own implementation back."""
+    from taylor_calibrate.config import TrainArgs
+    from taylor_calibrate.distill import distill
+
+    teacher = tiny_teacher("gemma3_text")
+    student = convert_teacher(teacher, [3], GDNConfig()).float()
+    student.set_attn_implementation("eager")
+    seen = {"forward": set(), "hook": set()}
+    attn = student.model.layers[0].self_attn
+    attn.register_forward_pre_hook(lambda m, a: seen["forward"].add(m.config._attn_implementation))
+    rows = torch.randint(0, 97, (8, 24), generator=torch.Generator().manual_seed(0))
+    args = TrainArgs(tokens=2 * 4 * 24, batch_size=4, lr=1e-3, attention="sdpa", log_every=1, compile=False)
+    distill(student, teacher, rows, rows[:2], args, tmp_path / "run", resume=False, eval_batch_size=2,
+            on_step=lambda step, s: seen["hook"].add(s.config._attn_implementation))
+    assert seen == {"forward": {"sdpa"}, "hook": {"eager"}}
+    assert (student.config._attn_implementation, teacher.config._attn_implementation) == ("eager", "eager")
