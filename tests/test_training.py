@@ -111,5 +111,5 @@ def test_distill_trains_with_the_attention_asked_for_and_hands_the_models_back_w
     args = TrainArgs(tokens=2 * 4 * 24, batch_size=4, lr=1e-3, attention="sdpa", log_every=1, compile=False)
     distill(student, teacher, rows, rows[:2], args, tmp_path / "run", resume=False, eval_batch_size=2,
             on_step=lambda step, s: seen["hook"].add(s.config._attn_implementation))
-    assert seen == {"forward": {"sdpa"}, "hook": {"eager"}}
+    assert seen["hook"] == {"eager"} and "sdpa" in seen["forward"]  # (the fused loss's head check runs before)
     assert (student.config._attn_implementation, teacher.config._attn_implementation) == ("eager", "eager")
