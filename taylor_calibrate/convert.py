@@ -35,8 +35,8 @@ from taylor_calibrate.retrieval import answer_scores, calibration_probes, fittin
 from taylor_calibrate.stats import (attention_targets, collect_stats, far_weights, knockout_drops, retrieval_heads,
                                    store_device_for)
 from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, Teacher, gguf_tokenizer_metadata, load_teacher,
-                                      resolve_device, resolve_dtype, teacher_gguf_path, teacher_hash,
-                                      teacher_ref)
+                                      resolve_device, resolve_dtype, shared_gguf_readers, teacher_gguf_path,
+                                      teacher_hash, teacher_ref)
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -364,17 +364,19 @@ def run_convert(args: ConvertArgs) -> dict:
     clock = Clock()
     with clock("backend_check"):
         rt = resolve_runtime(args)
-    with clock("load_teacher"):
+    with clock("load_teacher"), shared_gguf_readers():  # a GGUF teacher's file parsed once for all of it
         teacher = load_teacher(args.teacher, rt.device, rt.dtype)
         origin = teacher_hash(args.teacher)  # what `distill` checks its teacher against
+        # what transformers' GGUF tokenizer drops (a GGUF export writes it back)
+        gguf_path = teacher_gguf_path(args.teacher)
+        gguf_tokenizer = gguf_tokenizer_metadata(gguf_path) if gguf_path is not None else None
     conv = convert(args, teacher, rt, clock)
     report = conv.report
     with staged_dir(args.out) as tmp:  # model, tokenizer and report appear together, or not at all
         with clock("save"):
             conv.hybrid.save_pretrained(tmp, safe_serialization=True)
-            gguf_path = teacher_gguf_path(args.teacher)
-            if gguf_path is not None:  # what transformers' GGUF tokenizer drops; a GGUF export writes it back
-                teacher.tokenizer.init_kwargs[GGUF_TOKENIZER_KEY] = gguf_tokenizer_metadata(gguf_path)
+            if gguf_tokenizer is not None:
+                teacher.tokenizer.init_kwargs[GGUF_TOKENIZER_KEY] = gguf_tokenizer
             teacher.tokenizer.save_pretrained(tmp)
         report["wall_s"] = clock.wall()
         report["teacher_hash"] = origin
