@@ -24,7 +24,7 @@ def test_distill_throughput_tiny_runs_both_loss_paths(tmp_path):
     assert c["steps"] == 4 and c["max_abs_loss_diff"] < 1e-4 * abs(c["final_loss"]["logits"]) + 1e-6
     assert res["commit"] and "args" in res and "env" in res
     md = out.with_suffix(".md").read_text()
-    assert "| fused | torch | 2 x 32 | 128 |" in md and "Loss curves over 4 steps" in md
+    assert "| fused | torch | sdpa | 2 x 32 | 128 |" in md and "Loss curves over 4 steps" in md
     assert all(x["loss_kernel"] == "torch" for x in res["rows"])  # auto on a CPU: the reference
 
 
