@@ -8,6 +8,7 @@ with --convert's flags (default: head-wise at 25% of the KV bytes, copy-only mix
 throughput does not depend on the init). Training rows: --source through the token cache (`data.distill_data`).
 Each path runs `distill.distill` as the distill command does (fp32 master weights, bf16 autocast, torch.compile on
 CUDA by default); the first step (compilation) is untimed. A path that runs out of memory is recorded as such.
+--attentions sdpa,flex_attention runs each path with each (`--train.attention`; flex_vs_sdpa in the comparison).
 --tiny: a tiny random Llama, its copy-only hybrid and random rows (CPU is fine), to check the script. The JSON is
 rewritten after every path; a markdown twin goes beside it.
 
