@@ -5,25 +5,24 @@ Importing the package registers the hybrid's config and model with transformers'
 import sys
 
 # The CLI is starting (`python -m taylor_calibrate`: runpy sets argv[0] to "-m" while it imports the package; the
-# console script's name): a Ctrl-C during the imports below, before cli.main can catch it, prints one line.
+# console script's name): a Ctrl-C or SIGTERM during the imports below, before cli.main can catch it, prints one line.
 if sys.argv[:1] == ["-m"] or sys.argv[0].endswith("taylor-calibrate"):
-    def _interrupted_while_starting(kind, value, tb, _default=sys.excepthook):
-        """One line for a KeyboardInterrupt, not a traceback of torch's import; anything else as Python would."""
-        if issubclass(kind, KeyboardInterrupt):
-            print("taylor-calibrate: interrupted while starting; nothing was written", file=sys.stderr)
-        else:
-            _default(kind, value, tb)
+    def _ended_while_starting(signum, frame):
+        """Ctrl-C or SIGTERM before cli.main installs its own handling: one line and the usual 128 + signal.
 
-    sys.excepthook = _interrupted_while_starting
+        It exits on the spot rather than raising: torch's import runs Python inside C++ (pybind11), and a
+        KeyboardInterrupt raised there aborts the process (SIGABRT) instead of unwinding. Nothing is written yet.
+        """
+        import os
 
-    def _terminated_while_starting(signum, frame):
-        """SIGTERM before cli.main installs its own handler: one line and the usual 128 + 15, not a silent kill."""
-        print("taylor-calibrate: terminated while starting; nothing was written", file=sys.stderr)
-        sys.exit(128 + signum)
+        what = "interrupted" if signum == signal.SIGINT else "terminated"
+        print(f"taylor-calibrate: {what} while starting; nothing was written", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
     import signal
 
-    signal.signal(signal.SIGTERM, _terminated_while_starting)
+    signal.signal(signal.SIGINT, _ended_while_starting)
+    signal.signal(signal.SIGTERM, _ended_while_starting)
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 

@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     main_thread = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    old_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler) if main_thread else None  # was startup's
     try:
         check_config_files(words)
         name, args = parse(argv)
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # a caller of main() in-process (the tests) keeps its own handler
         if main_thread:
             signal.signal(signal.SIGTERM, old_handler)
+            signal.signal(signal.SIGINT, old_interrupt)
     return 0
 
 
