@@ -56,6 +56,25 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
+def waiting_lock(path: Path, what: str):
+    """An exclusive flock on `path`, waiting while another process holds it (the OS drops a dead holder's): of two
+    processes filling one cache entry at once, one writes and the other waits, then reads it."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            log.info("waiting for another process writing %s", what)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
 def staged_dir(final: str | Path):
     """Yield an empty temporary sibling of `final` to write a directory into; on success it is renamed to `final`
     (an earlier `final` is moved aside and removed only after that), on any error it is removed. Leftovers of killed

@@ -801,6 +801,23 @@ def parse_args_of(args_cls, argv: list[str]):
 TOKEN_CACHE_ENV = "TAYLOR_CALIBRATE_TOKEN_CACHE"
 
 
+TEACHER_CACHE_ENV = "TAYLOR_CALIBRATE_TEACHER_CACHE"
+CACHE_OFF = ("off", "0", "false", "no", "none")
+
+
+def teacher_cache_dir() -> Path | None:
+    """Where dequantised GGUF teachers are kept (`teacher.teacher_cache_entry`): $TAYLOR_CALIBRATE_TEACHER_CACHE,
+    else $XDG_CACHE_HOME/taylor_calibrate/teachers, else ~/.cache/taylor_calibrate/teachers; None when that variable
+    says off (or 0, false, no, none)."""
+    value = os.environ.get(TEACHER_CACHE_ENV, "").strip()
+    if value.lower() in CACHE_OFF:
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "taylor_calibrate" / "teachers"
+
+
 def token_cache_dir(option: str | None = None) -> Path:
     """The token cache: `option` (--data.token_cache), else $TAYLOR_CALIBRATE_TOKEN_CACHE, else
     $XDG_CACHE_HOME/taylor_calibrate/tokens, else ~/.cache/taylor_calibrate/tokens."""

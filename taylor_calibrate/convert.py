@@ -34,9 +34,8 @@ from taylor_calibrate.results import record
 from taylor_calibrate.retrieval import answer_scores, calibration_probes, fitting_probes, selection_lengths
 from taylor_calibrate.stats import (attention_targets, collect_stats, far_weights, knockout_drops, retrieval_heads,
                                    store_device_for)
-from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, Teacher, gguf_tokenizer_metadata, load_teacher,
-                                      resolve_device, resolve_dtype, shared_gguf_readers, teacher_gguf_path,
-                                      teacher_hash, teacher_ref)
+from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, Teacher, load_teacher, resolve_device, resolve_dtype,
+                                      shared_gguf_readers, teacher_gguf_tokenizer, teacher_hash, teacher_ref)
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -367,9 +366,7 @@ def run_convert(args: ConvertArgs) -> dict:
     with clock("load_teacher"), shared_gguf_readers():  # a GGUF teacher's file parsed once for all of it
         teacher = load_teacher(args.teacher, rt.device, rt.dtype)
         origin = teacher_hash(args.teacher)  # what `distill` checks its teacher against
-        # what transformers' GGUF tokenizer drops (a GGUF export writes it back)
-        gguf_path = teacher_gguf_path(args.teacher)
-        gguf_tokenizer = gguf_tokenizer_metadata(gguf_path) if gguf_path is not None else None
+        gguf_tokenizer = teacher_gguf_tokenizer(args.teacher)  # what transformers' GGUF tokenizer drops (export)
     conv = convert(args, teacher, rt, clock)
     report = conv.report
     with staged_dir(args.out) as tmp:  # model, tokenizer and report appear together, or not at all

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from taylor_calibrate.checkpoint import waiting_lock
 from taylor_calibrate.checks import writes_out
 from taylor_calibrate.config import TOKEN_CACHE_ENV, CorpusSpec, token_cache_dir
 from taylor_calibrate.results import is_output_of, umask
@@ -632,30 +633,12 @@ def cache_entry(spec: CorpusSpec, tokenizer) -> Path:
     return token_cache_dir(spec.token_cache) / f"{name[:40]}-{digest}"
 
 
-@contextlib.contextmanager
-def _waiting_lock(path: Path, what: str):
-    """An exclusive flock on `path`, waiting while another process holds it (the OS drops a dead holder's)."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            log.info("waiting for another process writing %s", what)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def cached_tokens(spec: CorpusSpec, tokenizer) -> Path:
     """`spec`'s corpus as token shards for `tokenizer`, from the cache (`cache_entry`), tokenised there first if
     absent. Under the entry's lock: of two processes asking at once, one tokenises and the other waits, then reads
     it. A damaged entry is written again."""
     entry = cache_entry(spec, tokenizer)
-    with _waiting_lock(entry.parent / ".locks" / entry.name, str(entry)):
+    with waiting_lock(entry.parent / ".locks" / entry.name, str(entry)):
         if (entry / TOKENS_META).exists():
             try:
                 read_token_meta(entry)

@@ -8,10 +8,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
+import inspect
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +22,7 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from taylor_calibrate.config import SUPPORTED_ARCHITECTURES
+from taylor_calibrate.config import SUPPORTED_ARCHITECTURES, teacher_cache_dir
 from taylor_calibrate.model.loading import read_json
 
 log = logging.getLogger("taylor_calibrate")
@@ -298,8 +301,15 @@ def _tokenizer(where: str, kw: dict):
 
 
 def load_tokenizer(spec: str = DEFAULT_TEACHER):
-    """The tokenizer of a teacher spec (or of any checkpoint directory with tokenizer files, e.g. a hybrid)."""
+    """The tokenizer of a teacher spec (or of any checkpoint directory with tokenizer files, e.g. a hybrid); a GGUF
+    teacher's from the teacher cache when it holds it."""
     where, kw = _locate(spec)
+    entry = teacher_cache_entry(spec) if "gguf_file" in kw else None
+    if entry is not None and (entry / _TOKENIZER_DIR).is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(entry / _TOKENIZER_DIR, trust_remote_code=False)
+        except Exception as e:  # a damaged entry: the GGUF is still there (load_teacher rewrites the entry)
+            log.warning("teacher cache %s: tokenizer unreadable (%s); reading it from %s", entry, e, spec)
     check_tokenizer_files(where, kw)
     return _read_tokenizer(spec, where, kw)
 
@@ -347,10 +357,161 @@ def shared_gguf_readers():
 def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  attn_implementation: str = "sdpa", tokenizer=None) -> Teacher:
     """Load a supported causal LM and its tokenizer, frozen, in eval mode. `tokenizer`: the one `load_tokenizer(spec)`
-    already gave (a command that checked its inputs with it first), so it is not read twice. A GGUF file is parsed
-    once for config, weights and tokenizer (`shared_gguf_readers`)."""
-    with shared_gguf_readers():
-        return _load_teacher(spec, device, dtype, attn_implementation, tokenizer)
+    already gave (a command that checked its inputs with it first), so it is not read twice. A GGUF teacher comes from
+    the teacher cache (`teacher_cache_entry`), written by its first load at this dtype; without the cache its file is
+    parsed once for config, weights and tokenizer (`shared_gguf_readers`)."""
+    entry = teacher_cache_entry(spec) if teacher_gguf_path(spec) is not None else None
+    if entry is None:
+        with shared_gguf_readers():
+            return _load_teacher(spec, device, dtype, attn_implementation, tokenizer)
+    try:
+        lock = _entry_lock(entry)
+    except OSError as e:  # a cache that cannot be written (a read-only home): load as without it
+        log.warning("teacher cache %s cannot be used (%s); loading %s from its GGUF", entry.parent, e, spec)
+        with shared_gguf_readers():
+            return _load_teacher(spec, device, dtype, attn_implementation, tokenizer)
+    with lock:
+        cached = _cached_teacher(spec, entry, device, dtype, attn_implementation, tokenizer)
+        if cached is not None:
+            return cached
+        with shared_gguf_readers():
+            loaded = _load_teacher(spec, "cpu", dtype, attn_implementation, tokenizer)
+            written = _write_entry(entry, loaded, spec, dtype)
+        if not written:
+            return _ready(loaded, device)
+        del loaded  # read back what was written, so the first load gives what every later one will
+        cached = _cached_teacher(spec, entry, device, dtype, attn_implementation, tokenizer)
+        if cached is None:  # it could not be read back (named in the log): the GGUF once more
+            with shared_gguf_readers():
+                return _load_teacher(spec, device, dtype, attn_implementation, tokenizer)
+        return cached
+
+
+# The teacher cache. Loading a GGUF teacher is parsing its metadata, dequantising its tensors and building its
+# tokenizer from the vocabulary, seconds to a minute on a CPU for a 135M-270M model, and every command does it again.
+# The first load of a GGUF at a dtype writes what it gave, exactly, into an entry of the cache: config.json and
+# model.safetensors per dtype, and the tokenizer (with the GGUF's split, `with_gguf_split`) and its tokenizer.ggml.*
+# values once; later loads read those. An entry is named by a digest of the GGUF's content (`teacher_hash`), the
+# transformers and gguf versions that dequantised it and the code that sets the split, so an edited file or another
+# library gives another entry and a stale one is never read. Entries stay until the cache is deleted (any time no
+# command is loading from it); TAYLOR_CALIBRATE_TEACHER_CACHE=off turns it off.
+_TOKENIZER_DIR = "tokenizer"
+_GGUF_TOKENIZER_FILE = "gguf_tokenizer.json"
+
+
+def teacher_cache_entry(spec: str) -> Path | None:
+    """The cache entry of a GGUF teacher spec (whether written yet or not), or None: not a GGUF, or the cache off."""
+    root = teacher_cache_dir()
+    path = teacher_gguf_path(spec) if root is not None else None
+    if path is None:
+        return None
+    split = inspect.getsource(with_gguf_split) + repr(sorted(_DIGIT_SPLIT_PRE)) + repr(sorted(IGNORE_MERGES_PRE))
+    key = {"format": 1, "weights": teacher_hash(spec), "transformers": importlib.metadata.version("transformers"),
+           "gguf": importlib.metadata.version("gguf"), "split": hashlib.sha1(split.encode()).hexdigest()}
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    name = "".join(c if c.isalnum() or c in "._" else "_" for c in path.stem)[:40]
+    return root / f"{name}-{digest}"
+
+
+def _entry_lock(entry: Path):
+    from taylor_calibrate.checkpoint import waiting_lock
+
+    lock = entry.parent / ".locks" / entry.name
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(lock.parent, os.W_OK):
+        raise PermissionError(f"{lock.parent} is not writable")
+    return waiting_lock(lock, str(entry))
+
+
+def _dtype_dir(entry: Path, dtype: torch.dtype) -> Path:
+    return entry / str(dtype).removeprefix("torch.")
+
+
+def _cached_teacher(spec: str, entry: Path, device, dtype: torch.dtype, attn_implementation: str,
+                    tokenizer) -> Teacher | None:
+    """The teacher from its cache entry at `dtype`, or None where the entry does not hold it; an entry that cannot be
+    read is removed (and written again by the caller)."""
+    weights = _dtype_dir(entry, dtype)
+    if not (weights / "model.safetensors").is_file() or not (entry / _TOKENIZER_DIR).is_dir():
+        return None
+    try:
+        config = AutoConfig.from_pretrained(weights, trust_remote_code=False)
+        model, info = AutoModelForCausalLM.from_pretrained(weights, config=config, dtype=dtype,
+                                                           attn_implementation=attn_implementation,
+                                                           output_loading_info=True, trust_remote_code=False)
+        wrong = {k: v for k, v in info.items() if v}
+        if wrong:
+            raise ValueError(f"weights do not fit the config: {wrong}")
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(entry / _TOKENIZER_DIR, trust_remote_code=False)
+    except Exception as e:  # a damaged entry surfaces as whatever its reader meets
+        log.warning("teacher cache entry %s could not be read (%s: %s); loading %s from its GGUF and writing the entry "
+                    "again", entry, type(e).__name__, e, spec)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    log.info("loading teacher %s (%s) from the teacher cache: %s", spec, config.model_type, weights)
+    return _ready(Teacher(model=model, tokenizer=tokenizer, name=spec), device)
+
+
+def _write_entry(entry: Path, teacher: Teacher, spec: str, dtype: torch.dtype) -> bool:
+    """Write a freshly loaded GGUF teacher into its cache entry; False (and a line in the log) where it cannot be: too
+    little free disk, or a failed write. The cache never fails a command."""
+    from taylor_calibrate.checkpoint import staged_dir
+
+    model = teacher.model
+    size = sum(t.numel() * t.element_size() for t in {p.data_ptr(): p for p in model.state_dict().values()}.values())
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(entry.parent).free
+        if free < 2 * size:
+            log.info("teacher cache: %.1f GB free at %s, not enough for %s's %.1f GB: not cached", free / 1e9,
+                     entry.parent, spec, size / 1e9)
+            return False
+        if not (entry / _TOKENIZER_DIR).is_dir():
+            gguf_tokenizer = gguf_tokenizer_metadata(teacher_gguf_path(spec))
+            with staged_dir(entry / _TOKENIZER_DIR) as tmp:
+                teacher.tokenizer.save_pretrained(tmp)
+                (tmp / _GGUF_TOKENIZER_FILE).write_text(json.dumps(gguf_tokenizer, indent=1))
+        with staged_dir(_dtype_dir(entry, dtype)) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+    except Exception as e:  # a full disk, a read-only cache, a tokenizer that cannot be saved
+        log.warning("teacher cache: could not write %s (%s: %s); loading %s from its GGUF each time", entry,
+                    type(e).__name__, e, spec)
+        return False
+    log.info("teacher cache: %s dequantised into %s (%.1f GB); later loads read it (%s=off turns this off)", spec,
+             _dtype_dir(entry, dtype), size / 1e9, "TAYLOR_CALIBRATE_TEACHER_CACHE")
+    return True
+
+
+def teacher_gguf_tokenizer(spec: str) -> dict | None:
+    """A GGUF teacher's tokenizer.ggml.* values (`gguf_tokenizer_metadata`), from its cache entry when written; None
+    for a teacher that is not a GGUF."""
+    path = teacher_gguf_path(spec)
+    if path is None:
+        return None
+    entry = teacher_cache_entry(spec)
+    if entry is not None and (entry / _TOKENIZER_DIR / _GGUF_TOKENIZER_FILE).is_file():
+        try:
+            return json.loads((entry / _TOKENIZER_DIR / _GGUF_TOKENIZER_FILE).read_text())
+        except (OSError, ValueError):
+            pass
+    return gguf_tokenizer_metadata(path)
+
+
+def _dense(kw: dict) -> dict:
+    """from_pretrained's options that make a GGUF teacher's weights plain tensors. With the `kernels` package,
+    transformers can keep them packed in GGUF blocks behind its own linear layers; a teacher's weights are read as
+    tensors (copied into the hybrid, hooked for statistics), so it is always dequantised."""
+    import transformers
+
+    config = getattr(transformers, "GgufConfig", None)  # transformers without packed GGUF weights always dequantises
+    return {"quantization_config": config(dequantize=True)} if "gguf_file" in kw and config is not None else {}
+
+
+def _ready(teacher: Teacher, device) -> Teacher:
+    """A loaded teacher on its device, frozen, in eval mode."""
+    teacher.model.to(device).eval().requires_grad_(False)
+    return teacher
 
 
 def _load_teacher(spec: str, device, dtype: torch.dtype, attn_implementation: str, tokenizer) -> Teacher:
@@ -395,7 +556,7 @@ def _load_teacher(spec: str, device, dtype: torch.dtype, attn_implementation: st
         model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype,
                                                            attn_implementation=attn_implementation,
                                                            output_loading_info=True, ignore_mismatched_sizes=True,
-                                                           trust_remote_code=False, **kw)
+                                                           trust_remote_code=False, **kw, **_dense(kw))
     except Exception as e:  # a damaged file surfaces as whatever the reader of that format raises
         from taylor_calibrate.checkpoint import unreadable
 
@@ -410,5 +571,4 @@ def _load_teacher(spec: str, device, dtype: torch.dtype, attn_implementation: st
     info = {**info, "unexpected_keys": [k for k in info.get("unexpected_keys") or [] if ".layers." in k]}
     check_loaded(spec, info, "restore the teacher's files from the original checkpoint", unexpected=True)
     check_tokenizer_fits(spec, model, tokenizer, "copy the tokenizer files of the teacher's own checkpoint beside it")
-    model.to(device).eval().requires_grad_(False)
-    return Teacher(model=model, tokenizer=tokenizer, name=spec)
+    return _ready(Teacher(model=model, tokenizer=tokenizer, name=spec), device)

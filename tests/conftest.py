@@ -26,6 +26,9 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # workers share the cores: torc
 _TOKEN_CACHE = tempfile.mkdtemp(prefix="tc-token-cache-")
 os.environ["TAYLOR_CALIBRATE_TOKEN_CACHE"] = _TOKEN_CACHE
 atexit.register(shutil.rmtree, _TOKEN_CACHE, True)
+_TEACHER_CACHE = tempfile.mkdtemp(prefix="tc-teacher-cache-")  # likewise the dequantised GGUF teachers
+os.environ["TAYLOR_CALIBRATE_TEACHER_CACHE"] = _TEACHER_CACHE
+atexit.register(shutil.rmtree, _TEACHER_CACHE, True)
 
 def triton_interpreter_shims():
     """Two bugs of Triton 3.6's interpreter (not of the compiled kernel), patched for these tests only:

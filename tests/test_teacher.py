@@ -88,6 +88,8 @@ def test_gguf_split_left_alone_for_other_pre_tokenizers(monkeypatch):
     """Only the pre-tokenizers that isolate digits change the split; any other name keeps transformers' build."""
     import taylor_calibrate.teacher as teacher_mod
 
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", "off")  # the GGUF's own pre-tokenizer name is what changes
+
     monkeypatch.setattr(teacher_mod, "gguf_pre_tokenizer", lambda path: "llama-bpe")
     tok = teacher_mod.load_tokenizer()
     assert tok.convert_ids_to_tokens(tok("\n    0x1f")["input_ids"])[:2] == ["ĊĠĠĠ", "Ġ"]
@@ -102,6 +104,7 @@ def test_gguf_tokenizer_takes_vocabulary_words_whole_where_llama_cpp_does(monkey
 
     import taylor_calibrate.teacher as teacher_mod
 
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", "off")
     monkeypatch.setattr(teacher_mod, "gguf_pre_tokenizer", lambda path: pre)
     tok = teacher_mod.load_tokenizer()
     assert json.loads(tok.backend_tokenizer.to_str())["model"]["ignore_merges"] is whole
@@ -117,6 +120,7 @@ def test_a_gguf_teacher_is_parsed_once_and_loads_as_before(monkeypatch):
 
     import taylor_calibrate.teacher as teacher_mod
 
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", "off")  # the cache's own test is below
     real, made = gguf.GGUFReader, []
 
     def counting(path, *args, **kwargs):
@@ -134,3 +138,110 @@ def test_a_gguf_teacher_is_parsed_once_and_loads_as_before(monkeypatch):
     assert all(torch.equal(t, want[k]) for k, t in shared.model.state_dict().items())
     text = "def f(x):\n    return x * 12345  # héllo"
     assert shared.tokenizer(text)["input_ids"] == plain.tokenizer(text)["input_ids"]
+
+
+def _same_teacher(a, b) -> bool:
+    import torch
+
+    want = a.model.state_dict()
+    text = "def f(x):\n    return x * 12345  # héllo"
+    return (want.keys() == b.model.state_dict().keys()
+            and all(torch.equal(t, want[k]) for k, t in b.model.state_dict().items())
+            and a.tokenizer(text)["input_ids"] == b.tokenizer(text)["input_ids"])
+
+
+def test_a_gguf_teacher_loads_from_the_teacher_cache_after_its_first_load(monkeypatch, tmp_path):
+    """The first load of a GGUF teacher writes it, dequantised, into the teacher cache; later loads read that entry
+    without parsing the GGUF, and give the same weights, token ids and tokenizer.ggml.* values. Each dtype has its
+    own weights; the cache off writes nothing."""
+    import gguf
+    import torch
+
+    import taylor_calibrate.teacher as teacher_mod
+
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", "off")
+    plain = load_teacher()
+    assert not any(tmp_path.iterdir())
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", str(tmp_path / "cache"))
+    first = load_teacher()
+    entry = teacher_mod.teacher_cache_entry(teacher_mod.DEFAULT_TEACHER)
+    assert entry.parent == tmp_path / "cache" and (entry / "float32" / "model.safetensors").is_file()
+    real, made = gguf.GGUFReader, []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: made.append(a) or real(*a, **k))
+    again = load_teacher()
+    assert made == [] and _same_teacher(plain, first) and _same_teacher(plain, again)
+    assert teacher_mod.load_tokenizer()("x = 12345")["input_ids"] == plain.tokenizer("x = 12345")["input_ids"]
+    meta = teacher_mod.teacher_gguf_tokenizer(teacher_mod.DEFAULT_TEACHER)
+    assert made == [] and meta["tokenizer.ggml.pre"] == "smollm"
+    monkeypatch.setattr(gguf, "GGUFReader", real)
+    assert meta == teacher_mod.gguf_tokenizer_metadata(teacher_mod.teacher_gguf_path(teacher_mod.DEFAULT_TEACHER))
+    half = load_teacher(dtype=torch.bfloat16)
+    assert (entry / "bfloat16" / "model.safetensors").is_file() and half.model.dtype == torch.bfloat16
+    assert all(torch.equal(t, plain.model.state_dict()[k].bfloat16()) for k, t in half.model.state_dict().items())
+
+
+def test_the_teacher_cache_entry_is_named_by_content_and_library(monkeypatch, tmp_path):
+    """Another GGUF (other bytes) or another transformers gives another entry, so a stale one is never read."""
+    import importlib.metadata
+
+    import taylor_calibrate.teacher as teacher_mod
+
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", str(tmp_path))
+    spec = teacher_mod.DEFAULT_TEACHER
+    entry = teacher_mod.teacher_cache_entry(spec)
+    monkeypatch.setattr(teacher_mod, "teacher_hash", lambda s: "sha256:other")
+    assert teacher_mod.teacher_cache_entry(spec) != entry
+    monkeypatch.undo()
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", str(tmp_path))
+    version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0" if name == "transformers" else version(name))
+    assert teacher_mod.teacher_cache_entry(spec) not in (entry, None)
+    assert teacher_mod.teacher_cache_entry("some-org/some-model") is None  # a hub id or directory: nothing to cache
+
+
+def test_a_damaged_teacher_cache_entry_is_written_again(monkeypatch, tmp_path, caplog):
+    """A truncated weights file in an entry is named in the log, and the teacher loads from its GGUF and is cached
+    again: never a failed command or a wrong teacher."""
+    import taylor_calibrate.teacher as teacher_mod
+
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", str(tmp_path))
+    first = load_teacher()
+    weights = teacher_mod.teacher_cache_entry(teacher_mod.DEFAULT_TEACHER) / "float32" / "model.safetensors"
+    damaged = weights.read_bytes()[:1000]
+    weights.unlink()  # a new file: `first` still reads the old one (memory-mapped)
+    weights.write_bytes(damaged)
+    with caplog.at_level("WARNING", logger="taylor_calibrate"):
+        again = load_teacher()
+    assert "could not be read" in caplog.text and _same_teacher(first, again)
+    assert weights.stat().st_size > 1000
+
+
+def test_a_teacher_cache_that_cannot_be_written_leaves_the_load_as_it_was(monkeypatch, tmp_path, caplog):
+    """A cache path that is not a directory (a file in its way) costs a line in the log, not the command."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", str(tmp_path / "file" / "cache"))
+    with caplog.at_level("WARNING", logger="taylor_calibrate"):
+        loaded = load_teacher()
+    assert "cannot be used" in caplog.text and loaded.model.config.model_type == "llama"
+
+
+def test_a_gguf_teacher_is_always_dequantised(monkeypatch):
+    """transformers can keep a GGUF's weights packed behind its own linear layers (with the `kernels` package); a
+    teacher's weights are read as tensors, so load_teacher asks for plain ones."""
+    import transformers
+
+    import taylor_calibrate.teacher as teacher_mod
+
+    if not hasattr(transformers, "GgufConfig"):
+        pytest.skip("this transformers always dequantises")
+    opts = teacher_mod._dense({"gguf_file": "x.gguf"})
+    assert opts["quantization_config"].dequantize is True and teacher_mod._dense({}) == {}
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", "off")
+    model = load_teacher().model
+    assert type(model.model.layers[0].self_attn.q_proj) is torch_linear()
+
+
+def torch_linear():
+    import torch
+
+    return torch.nn.Linear
