@@ -788,9 +788,10 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             metrics.write(rec)
             return rec
 
-        def after_step(step):  # the caller's hook (recovery's NIAH: generate) sees the student's own attention
-            restore_attention(swapped)
-            on_step(step, student)
+        def after_step(step):  # the caller's hook (recovery's NIAH: generate) sees the student's own attention,
+            restore_attention(swapped)  # and runs eagerly: generate's shapes and that attention would recompile layers
+            with torch.compiler.set_stance("force_eager"):
+                on_step(step, student)
             swap_attention(to_compile, impl)
 
         if start == 0:

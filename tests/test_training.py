@@ -113,3 +113,35 @@ def test_distill_trains_with_the_attention_asked_for_and_hands_the_models_back_w
             on_step=lambda step, s: seen["hook"].add(s.config._attn_implementation))
     assert seen["hook"] == {"eager"} and "sdpa" in seen["forward"]  # (the fused loss's head check runs before)
     assert (student.config._attn_implementation, teacher.config._attn_implementation) == ("eager", "eager")
+
+
+def test_the_on_step_hook_runs_compiled_layers_eagerly(tmp_path, monkeypatch):
+    """recovery's hook generates between training steps: its new shapes and the student's own attention would make
+    dynamo trace every compiled layer again (and past its limit, run layers eager in silence). The hook runs the
+    layers eagerly: no graph is traced while it runs, while the training steps around it use the compiled layers."""
+    import torch._dynamo
+
+    from taylor_calibrate import distill as distill_mod
+    from taylor_calibrate.config import TrainArgs
+
+    graphs = torch._dynamo.utils.counters["stats"]
+    # dynamo's "eager" backend: it traces and guards as with inductor, without building kernels on this CPU
+    monkeypatch.setattr(distill_mod, "compile_layers",
+                        lambda *ms: [layer.compile(backend="eager") for m in ms for layer in m.model.layers])
+    teacher = tiny_teacher("llama")
+    student = convert_teacher(teacher, [1], GDNConfig()).float()
+    rows = torch.randint(0, 97, (8, 24), generator=torch.Generator().manual_seed(0))
+    traced = []
+
+    def hook(step, s):
+        before = graphs["unique_graphs"]
+        for n in (5, 9):
+            s.generate(rows[:1, :n], max_new_tokens=3, do_sample=False)
+        traced.append(graphs["unique_graphs"] - before)
+
+    start = graphs["unique_graphs"]
+    args = TrainArgs(tokens=2 * 4 * 24, batch_size=4, lr=1e-3, log_every=1, compile=True, loss_kernel="torch")
+    distill_mod.distill(student, teacher, rows, rows[:2], args, tmp_path / "run", resume=False, eval_batch_size=2,
+                        on_step=hook)
+    assert graphs["unique_graphs"] > start  # the training steps ran compiled layers
+    assert len(traced) >= 2 and traced == [0] * len(traced)
