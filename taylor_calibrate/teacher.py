@@ -364,13 +364,16 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
     if entry is None:
         with shared_gguf_readers():
             return _load_teacher(spec, device, dtype, attn_implementation, tokenizer)
+    # an entry's parts are renamed into place whole (staged_dir), so reading one needs no lock
+    if (cached := _cached_teacher(spec, entry, device, dtype, attn_implementation, tokenizer)) is not None:
+        return cached
     try:
         lock = _entry_lock(entry)
     except OSError as e:  # a cache that cannot be written (a read-only home): load as without it
         log.warning("teacher cache %s cannot be used (%s); loading %s from its GGUF", entry.parent, e, spec)
         with shared_gguf_readers():
             return _load_teacher(spec, device, dtype, attn_implementation, tokenizer)
-    with lock:
+    with lock:  # of two processes loading it first at once, one writes the entry and the other then reads it
         cached = _cached_teacher(spec, entry, device, dtype, attn_implementation, tokenizer)
         if cached is not None:
             return cached
