@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from taylor_calibrate.config import SUPPORTED_ARCHITECTURES, teacher_cache_dir
+from taylor_calibrate.config import SUPPORTED_ARCHITECTURES, TEACHER_CACHE_ENV, teacher_cache_dir
 from taylor_calibrate.model.loading import read_json
 
 log = logging.getLogger("taylor_calibrate")
@@ -482,7 +482,7 @@ def _write_entry(entry: Path, teacher: Teacher, spec: str, dtype: torch.dtype) -
                     type(e).__name__, e, spec)
         return False
     log.info("teacher cache: %s dequantised into %s (%.1f GB); later loads read it (%s=off turns this off)", spec,
-             _dtype_dir(entry, dtype), size / 1e9, "TAYLOR_CALIBRATE_TEACHER_CACHE")
+             _dtype_dir(entry, dtype), size / 1e9, TEACHER_CACHE_ENV)
     return True
 
 
