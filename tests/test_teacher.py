@@ -140,6 +140,17 @@ def test_a_gguf_teacher_is_parsed_once_and_loads_as_before(monkeypatch):
     assert shared.tokenizer(text)["input_ids"] == plain.tokenizer(text)["input_ids"]
 
 
+@pytest.fixture
+def own_cache(tmp_path):
+    """A teacher cache of the test's own, removed when the test ends (entries are hundreds of MB, and pytest keeps the
+    temporary folders of its last runs)."""
+    import shutil
+
+    root = tmp_path / "cache"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def _same_teacher(a, b) -> bool:
     import torch
 
@@ -150,7 +161,7 @@ def _same_teacher(a, b) -> bool:
             and a.tokenizer(text)["input_ids"] == b.tokenizer(text)["input_ids"])
 
 
-def test_a_gguf_teacher_loads_from_the_teacher_cache_after_its_first_load(monkeypatch, tmp_path):
+def test_a_gguf_teacher_loads_from_the_teacher_cache_after_its_first_load(monkeypatch, own_cache):
     """The first load of a GGUF teacher writes it, dequantised, into the teacher cache; later loads read that entry
     without parsing the GGUF, and give the same weights, token ids and tokenizer.ggml.* values. Each dtype has its
     own weights; the cache off writes nothing."""
@@ -161,11 +172,11 @@ def test_a_gguf_teacher_loads_from_the_teacher_cache_after_its_first_load(monkey
 
     monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", "off")
     plain = load_teacher()
-    assert not any(tmp_path.iterdir())
-    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", str(tmp_path / "cache"))
+    assert teacher_mod.teacher_cache_entry(teacher_mod.DEFAULT_TEACHER) is None  # off: no entry to read or write
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", str(own_cache))
     first = load_teacher()
     entry = teacher_mod.teacher_cache_entry(teacher_mod.DEFAULT_TEACHER)
-    assert entry.parent == tmp_path / "cache" and (entry / "float32" / "model.safetensors").is_file()
+    assert entry.parent == own_cache and (entry / "float32" / "model.safetensors").is_file()
     real, made = gguf.GGUFReader, []
     monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: made.append(a) or real(*a, **k))
     again = load_teacher()
@@ -199,12 +210,12 @@ def test_the_teacher_cache_entry_is_named_by_content_and_library(monkeypatch, tm
     assert teacher_mod.teacher_cache_entry("some-org/some-model") is None  # a hub id or directory: nothing to cache
 
 
-def test_a_damaged_teacher_cache_entry_is_written_again(monkeypatch, tmp_path, caplog):
+def test_a_damaged_teacher_cache_entry_is_written_again(monkeypatch, own_cache, caplog):
     """A truncated weights file in an entry is named in the log, and the teacher loads from its GGUF and is cached
     again: never a failed command or a wrong teacher."""
     import taylor_calibrate.teacher as teacher_mod
 
-    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", str(tmp_path))
+    monkeypatch.setenv("TAYLOR_CALIBRATE_TEACHER_CACHE", str(own_cache))
     first = load_teacher()
     weights = teacher_mod.teacher_cache_entry(teacher_mod.DEFAULT_TEACHER) / "float32" / "model.safetensors"
     damaged = weights.read_bytes()[:1000]
