@@ -360,10 +360,13 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
     already gave (a command that checked its inputs with it first), so it is not read twice. A GGUF teacher comes from
     the teacher cache (`teacher_cache_entry`), written by its first load at this dtype; without the cache its file is
     parsed once for config, weights and tokenizer (`shared_gguf_readers`)."""
+    def from_file(on) -> Teacher:
+        with shared_gguf_readers():
+            return _load_teacher(spec, on, dtype, attn_implementation, tokenizer)
+
     entry = teacher_cache_entry(spec) if teacher_gguf_path(spec) is not None else None
     if entry is None:
-        with shared_gguf_readers():
-            return _load_teacher(spec, device, dtype, attn_implementation, tokenizer)
+        return from_file(device)
     # an entry's parts are renamed into place whole (staged_dir), so reading one needs no lock
     if (cached := _cached_teacher(spec, entry, device, dtype, attn_implementation, tokenizer)) is not None:
         return cached
@@ -371,23 +374,17 @@ def load_teacher(spec: str = DEFAULT_TEACHER, device: str | torch.device = "cpu"
         lock = _entry_lock(entry)
     except OSError as e:  # a cache that cannot be written (a read-only home): load as without it
         log.warning("teacher cache %s cannot be used (%s); loading %s from its GGUF", entry.parent, e, spec)
-        with shared_gguf_readers():
-            return _load_teacher(spec, device, dtype, attn_implementation, tokenizer)
+        return from_file(device)
     with lock:  # of two processes loading it first at once, one writes the entry and the other then reads it
-        cached = _cached_teacher(spec, entry, device, dtype, attn_implementation, tokenizer)
-        if cached is not None:
+        if (cached := _cached_teacher(spec, entry, device, dtype, attn_implementation, tokenizer)) is not None:
             return cached
-        with shared_gguf_readers():
+        with shared_gguf_readers():  # the tokenizer metadata the entry keeps shares the load's parse
             loaded = _load_teacher(spec, "cpu", dtype, attn_implementation, tokenizer)
-            written = _write_entry(entry, loaded, spec, dtype)
-        if not written:
-            return _ready(loaded, device)
+            if not _write_entry(entry, loaded, spec, dtype):
+                return _ready(loaded, device)
         del loaded  # read back what was written, so the first load gives what every later one will
         cached = _cached_teacher(spec, entry, device, dtype, attn_implementation, tokenizer)
-        if cached is None:  # it could not be read back (named in the log): the GGUF once more
-            with shared_gguf_readers():
-                return _load_teacher(spec, device, dtype, attn_implementation, tokenizer)
-        return cached
+        return cached if cached is not None else from_file(device)  # unreadable (named in the log): the GGUF again
 
 
 # The teacher cache. Loading a GGUF teacher is parsing its metadata, dequantising its tensors and building its
