@@ -376,11 +376,22 @@ def _state_options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
+def _trained_and_aliases(model) -> tuple[dict, set[str]]:
+    """(the trained parameters by name, the names that only alias another parameter): a tied lm_head.weight is the
+    embedding's parameter under a second name, which a state dict lists and named_parameters() does not."""
+    m = model.module if hasattr(model, "module") else model
+    trained = {n: p for n, p in m.named_parameters() if p.requires_grad}
+    aliases = {n for n, _ in m.named_parameters(remove_duplicate=False)} - {n for n, _ in m.named_parameters()}
+    return trained, aliases
+
+
 def save_checkpoint(out: Path, step: int, model, opt, ctx: Dist, extra: dict) -> None:
     """Gather full state dicts of the trained parameters and the optimizer; rank 0 writes them atomically and keeps
     the newest two checkpoints."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model, opt, options=_state_options(cpu_offload=ctx.world > 1, ignore_frozen_params=True))
+    trained, _ = _trained_and_aliases(model)
+    msd = {k: v for k, v in msd.items() if k in trained}  # not a tied alias (ignore_frozen_params keeps those)
     if ctx.main:
         root = out / CKPT_DIR
         final = root / f"step_{step:08d}"
@@ -477,8 +488,8 @@ def read_checkpoint(ckpt: Path, model) -> tuple[dict, dict, dict]:
         groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
     except Exception as e:  # garbage JSON, missing keys, safetensors' own errors for truncated files
         raise CorruptCheckpoint(f"checkpoint {ckpt} is damaged ({type(e).__name__}: {e})") from e
-    params = {n: p for n, p in (model.module if hasattr(model, "module") else model).named_parameters()
-              if p.requires_grad}
+    params, aliases = _trained_and_aliases(model)
+    msd = {k: v for k, v in msd.items() if k not in aliases}  # checkpoints before the fix hold a tied lm_head.weight
     missing, unexpected = sorted(set(params) - set(msd)), sorted(set(msd) - set(params))
     shapes = [n for n in set(params) & set(msd) if tuple(params[n].shape) != tuple(msd[n].shape)]
     if missing or unexpected or shapes or (step > 0 and set(state) != set(params)):

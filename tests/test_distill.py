@@ -159,6 +159,36 @@ def test_recall_weight_weighs_the_recall_and_keeps_the_mean(assets):
     assert runs["0"][0] != pytest.approx(runs["50"][0], rel=1e-6) and all(math.isfinite(k) for k in runs["50"])
 
 
+@pytest.mark.parametrize("embedding", ["trained", "frozen"])
+def test_checkpoint_of_a_tied_model_reads_back(tmp_path, embedding):
+    """A model whose lm_head shares the embedding (SmolLM2 and Gemma 3 both do) checkpoints its trained parameters
+    once, not again under the tied name, and the checkpoint reads back; one that holds the tied name as well (as
+    written before) reads too."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from taylor_calibrate.distill import Dist, read_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.requires_grad_(False)
+    model.model.layers[0].self_attn.requires_grad_(True)
+    model.model.embed_tokens.requires_grad_(embedding == "trained")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model(input_ids=torch.arange(8)[None]).logits.float().pow(2).mean().backward()
+    opt.step()
+    save_checkpoint(tmp_path, 1, model, opt, Dist(), {})
+    ck = tmp_path / "checkpoints" / "step_00000001"
+    saved = load_file(str(ck / "model.safetensors"))
+    want = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(saved) == want and "lm_head.weight" not in saved
+    assert ("model.embed_tokens.weight" in saved) == (embedding == "trained")
+    assert set(read_checkpoint(ck, model)[1]) == want
+    save_file({**saved, "lm_head.weight": model.lm_head.weight.detach().clone()}, str(ck / "model.safetensors"))
+    assert set(read_checkpoint(ck, model)[1]) == want  # the tied name as well: read as before
+
+
 def _run(argv, env_extra=None, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.Popen([sys.executable, "-m", "taylor_calibrate", *argv], env=env, stdout=subprocess.PIPE,
