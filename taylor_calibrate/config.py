@@ -539,10 +539,6 @@ class TrainArgs:
     """Fraction of training rows given multi-key recall needles: look-alike "frame key value" spans of the row's own
     text, one asked again at the end (`data.recall_rows`); trains telling needles apart (docs/method.md,
     "End-to-end phase"). 0: none."""
-    recall_weight: float = 0.0
-    """Weight the KL at the recall rows' recall (the predictions of the asked needle's key and value tokens) by
-    1 + recall_weight, the row weights rescaled to mean 1 per micro-batch: a few tokens a row otherwise carry
-    almost none of the loss. Needs --train.recall_rows > 0. 0: off."""
     hidden_weight: float = 0.0
     """Weight of the hidden-state MSE (every layer's output, relative to the teacher's mean square)."""
     ce_weight: float = 0.0
@@ -594,9 +590,6 @@ class TrainArgs:
             raise ValueError(f"--train.warmup={self.warmup} must be in [0, 1)")
         if self.lr <= 0 or self.temperature <= 0:
             raise ValueError(f"--train.lr={self.lr} and --train.temperature={self.temperature} must both be > 0")
-        if self.recall_weight < 0 or (self.recall_weight > 0 and self.recall_rows == 0):
-            raise ValueError(f"--train.recall_weight={self.recall_weight} must be >= 0 and weights the recall rows' "
-                             "recall: give it with --train.recall_rows > 0 (or leave it at 0)")
         if self.far_weight < 0:
             raise ValueError(f"--train.far_weight={self.far_weight} must be >= 0 (0 turns it off)")
         if min(self.kl_weight, self.hidden_weight, self.ce_weight) < 0 or \

@@ -732,8 +732,7 @@ def repeat_spans(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed
     return out
 
 
-def recall_rows(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed: int,
-                step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def recall_rows(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed: int, step: int) -> torch.Tensor:
     """Rows carrying multi-key recall: in about `fraction` of the rows, k (2 to 6) needles "F K_i V_i" are written
     over the row's own text, one in each of k equal slots of its first three quarters, and one of them, "F K_j V_j",
     again in its last quarter. F (a frame, 3-8 tokens), the keys K_i (2-4 tokens) and the values V_i (4-8 tokens) are
@@ -741,13 +740,10 @@ def recall_rows(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed:
     the end means matching K_j among k look-alike needles, what the teacher does by attention and a recurrent state
     blurs. Built from the training text alone (no template, no evaluation haystack).
 
-    Returns (ids, asked): a new tensor, and a (B, T) bool mask of the positions whose next token is a key or value
-    token of the needle asked again (where the recall happens; --train.recall_weight weights them). A pure function
-    of (seed, step, window index) per row, as `repeat_spans`."""
+    A pure function of (seed, step, window index) per row, as `repeat_spans`; returns a new tensor."""
     T = ids.shape[1]
-    asked = torch.zeros(ids.shape, dtype=torch.bool)
     if fraction <= 0 or T < 256:
-        return ids, asked
+        return ids
     out = ids.clone()
     for r, w in enumerate(windows.tolist()):
         key = int(hashlib.sha1(f"recall:{seed}:{step}:{w}".encode()).hexdigest()[:15], 16)
@@ -762,7 +758,7 @@ def recall_rows(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed:
             return ids[r, at:at + n]
 
         frame = span(3, 8)
-        needles = [torch.cat([frame, span(2, 4), span(4, 8)]) for _ in range(k)]  # F K_i V_i
+        needles = [torch.cat([frame, span(2, 4), span(4, 8)]) for _ in range(k)]
         slot = (3 * T // 4) // k
         for i, nd in enumerate(needles):
             at = i * slot + int(torch.randint(0, slot - len(nd) + 1, (), generator=g))
@@ -770,8 +766,7 @@ def recall_rows(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed:
         nd = needles[int(torch.randint(0, k, (), generator=g))]
         at = int(torch.randint(3 * T // 4, T - len(nd) + 1, (), generator=g))
         out[r, at:at + len(nd)] = nd
-        asked[r, at + len(frame) - 1:at + len(nd) - 1] = True  # the predictions of K_j and V_j
-    return out, asked
+    return out
 
 
 _SPLIT_OPTIONS = {"text_field": str, "split": str, "heldout_fraction": float}  # fixed when shards are written

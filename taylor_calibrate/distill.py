@@ -2,7 +2,7 @@
 "Recovery distillation").
 
     loss = kl_weight * T^2 * KL(teacher_T || student_T)      per token, forward KL on the logits (optionally weighted
-                                                             per position: --train.far_weight, --train.recall_weight)
+                                                             per position: --train.far_weight)
          + hidden_weight * sum_l |h_l - h_l^T|^2 / |h_l^T|^2  every layer's output (optional)
          + ce_weight * CE(student, next token)                (optional)
 
@@ -672,13 +672,6 @@ def make_optimizer(params: list, args: TrainArgs, device: torch.device, world: i
                              fused=(device.type == "cuda" and world == 1) or None)
 
 
-def recall_weights(asked: torch.Tensor, recall_weight: float, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, T) KL weights: `weights` (or 1) x (1 + recall_weight at the `asked` positions), rescaled to mean 1."""
-    w = 1 + recall_weight * asked.float()
-    w = w if weights is None else w * weights
-    return w / w.mean()
-
-
 @dataclass
 class Step:
     """What one optimizer step's forward and backward passes need (fixed for the run)."""
@@ -700,15 +693,12 @@ class Step:
         for j in range(self.sched.accum):
             windows = mine[j * micro:(j + 1) * micro]
             ids = repeat_spans(rows[windows], windows, a.repeat_spans, a.seed, step)
-            ids, asked = recall_rows(ids, windows, a.recall_rows, a.seed, step)
-            ids = ids.to(self.device, non_blocking=True)
+            ids = recall_rows(ids, windows, a.recall_rows, a.seed, step).to(self.device, non_blocking=True)
             watch = observing(self.teacher, self.far) if self.far else nullcontext()
             with torch.no_grad(), autocast(self.device), watch:
                 t_out = (model_hidden(self.teacher, ids, hidden) if self.fused
                          else self.teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden))
             weights = self.far.weights(a.far_weight) if self.far else None
-            if a.recall_weight:
-                weights = recall_weights(asked.to(self.device), a.recall_weight, weights)
             last = j == self.sched.accum - 1
             with nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync():
                 with autocast(self.device):

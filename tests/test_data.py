@@ -519,7 +519,7 @@ def test_recall_rows_write_lookalike_needles_and_ask_one_again():
     T = 1024
     ids = torch.arange(4 * T).reshape(4, T) + 10 ** 6  # every token distinct: written needles are visible
     windows = torch.tensor([7, 3, 11, 5])
-    out, asked = recall_rows(ids, windows, 1.0, seed=0, step=1)
+    out = recall_rows(ids, windows, 1.0, seed=0, step=1)
     assert torch.equal(ids, torch.arange(4 * T).reshape(4, T) + 10 ** 6)  # input untouched
     for r in range(4):
         row = out[r].tolist()
@@ -541,16 +541,9 @@ def test_recall_rows_write_lookalike_needles_and_ask_one_again():
         assert all(n[:3] == frame for n in early)  # a shared frame ...
         assert len({tuple(n) for n in early}) == len(early)  # ... look-alike, not identical needles
         assert all(set(n) <= set(ids[r].tolist()) for n in needles)  # spans of the row's own text
-        # the recall: the positions predicting the asked copy's tokens after the frame (the needles' common prefix)
-        f = next(i for i in range(len(early[0])) if len({n[i] for n in early}) > 1)
-        at = runs[-1][0]
-        assert 3 <= f <= 8 and asked[r].nonzero().flatten().tolist() == list(range(at + f - 1, at + len(late[0]) - 1))
-    assert not asked[:, :3 * T // 4].any()
-    assert torch.equal(out, recall_rows(ids, windows, 1.0, seed=0, step=1)[0])  # a pure function of its arguments
-    assert not torch.equal(out, recall_rows(ids, windows, 1.0, seed=0, step=2)[0])
-    again, asked1 = recall_rows(ids[[1]], windows[[1]], 1.0, seed=0, step=1)
-    assert torch.equal(again[0], out[1]) and torch.equal(asked1[0], asked[1])  # batch place irrelevant
-    none, unasked = recall_rows(ids, windows, 0.0, seed=0, step=1)
-    assert torch.equal(none, ids) and not unasked.any()
-    some = [int((recall_rows(ids, windows, 0.5, seed=0, step=s)[0] != ids).any(1).sum()) for s in range(1, 41)]
+    assert torch.equal(out, recall_rows(ids, windows, 1.0, seed=0, step=1))  # a pure function of its arguments
+    assert not torch.equal(out, recall_rows(ids, windows, 1.0, seed=0, step=2))
+    assert torch.equal(recall_rows(ids[[1]], windows[[1]], 1.0, seed=0, step=1)[0], out[1])  # batch place irrelevant
+    assert torch.equal(recall_rows(ids, windows, 0.0, seed=0, step=1), ids)
+    some = [int((recall_rows(ids, windows, 0.5, seed=0, step=s) != ids).any(1).sum()) for s in range(1, 41)]
     assert 0.3 < sum(some) / (40 * 4) < 0.7

@@ -133,32 +133,6 @@ def test_far_weight_weighs_the_kl_by_the_teachers_far_attention(assets):
     assert runs["0"][0] != pytest.approx(runs["3"][0], rel=1e-6) and all(math.isfinite(k) for k in runs["3"])
 
 
-def test_recall_weight_weighs_the_recall_and_keeps_the_mean(assets):
-    """--train.recall_weight: the recall rows' recall positions weigh 1 + w against 1 elsewhere (times any far
-    weights), the whole rescaled to mean 1; a run with it trains differently; without recall rows it is refused."""
-    from taylor_calibrate.config import TrainArgs
-    from taylor_calibrate.distill import recall_weights
-
-    asked = torch.zeros(2, 10, dtype=torch.bool)
-    asked[0, 7:9] = True
-    w = recall_weights(asked, 9.0)
-    assert w.mean().item() == pytest.approx(1.0) and w[0, 7].item() == pytest.approx(10 * w[0, 0].item())
-    far = torch.rand(2, 10) + 0.5
-    torch.testing.assert_close(recall_weights(asked, 9.0, far), far * w / (far * w).mean())
-    with pytest.raises(ValueError, match="recall_rows > 0"):
-        TrainArgs(recall_weight=4.0)
-
-    root, _, corpus = assets
-    runs = {}
-    for weight in ("0", "50"):
-        out_dir = root / f"recall{weight}"
-        with one_thread():
-            assert main(_argv(root, corpus, out_dir, 2, "--data.seq_len", "256", "--train.tokens", str(2 * 4 * 256),
-                              "--train.recall_rows", "1", "--train.recall_weight", weight)) == 0  # rows >= 256
-        runs[weight] = [r["kl"] for r in _records(out_dir) if "kl" in r]
-    assert runs["0"][0] != pytest.approx(runs["50"][0], rel=1e-6) and all(math.isfinite(k) for k in runs["50"])
-
-
 @pytest.mark.parametrize("embedding", ["trained", "frozen"])
 def test_checkpoint_of_a_tied_model_reads_back(tmp_path, embedding):
     """A model whose lm_head shares the embedding (SmolLM2 and Gemma 3 both do) checkpoints its trained parameters
