@@ -405,7 +405,11 @@ class DamageArgs(PipelineArgs):
     init: str = "taylor+align"
     """How each converted layer's mixer starts: <copy|zero_gate|paper|taylor>[+align]; "align" = copy + alignment."""
     sets: list[str] = field(default_factory=list)
-    """Sets of layers converted together, one row each ("5,17", "0-3"); empty: every layer alone."""
+    """Sets of layers converted together, one row each ("5,17", "0-3"); empty: every layer alone (none when
+    --windows is given)."""
+    windows: list[str] = field(default_factory=list)
+    """Rows of the teacher whose named layers see only their last W positions, "LAYERS:W" ("5:1024", "5,11:512"):
+    how far back each layer's retrieval reaches."""
     command: str | None = None
     """The command line to record in the results (for reproducibility)."""
 
