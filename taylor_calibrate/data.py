@@ -758,7 +758,7 @@ def recall_rows(ids: torch.Tensor, windows: torch.Tensor, fraction: float, seed:
             return ids[r, at:at + n]
 
         frame = span(3, 8)
-        needles = [torch.cat([frame, span(2, 4), span(4, 8)]) for _ in range(k)]
+        needles = [torch.cat([frame, span(2, 4), span(4, 8)]) for _ in range(k)]  # F K_i V_i
         slot = (3 * T // 4) // k
         for i, nd in enumerate(needles):
             at = i * slot + int(torch.randint(0, slot - len(nd) + 1, (), generator=g))

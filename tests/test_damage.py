@@ -1,12 +1,14 @@
-"""The `damage` experiment on a tiny local teacher: one row per converted set, its bytes and costs; and the
-selection probes' lengths, which pass every sliding window."""
+"""The `damage` experiment on a tiny local teacher: one row per converted set, its bytes and costs; rows of layers cut
+to a window; and the selection probes' lengths, which pass every sliding window."""
 import json
 
 import pytest
-from conftest import one_thread, tiny_config, tiny_local_teacher
+import torch
+from conftest import one_thread, tiny_config, tiny_local_teacher, tiny_teacher
+from transformers import AutoModelForCausalLM
 
 from taylor_calibrate.config import AlignArgs, DamageArgs, DataArgs
-from taylor_calibrate.experiments.damage import run_damage
+from taylor_calibrate.experiments.damage import parse_window, run_damage, windowed
 from taylor_calibrate.retrieval import selection_lengths
 
 
@@ -50,12 +52,6 @@ def test_windowed_layers_attend_as_transformers_sliding_window(attn):
     """`windowed` on every layer of a Llama gives the logits of the same weights as a Mistral with that sliding
     window (transformers' own window); on a layer already windowed it narrows the window; outside it, nothing
     changes."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from taylor_calibrate.experiments.damage import windowed
-    from conftest import tiny_teacher
-
     llama = tiny_teacher("llama", rope_theta=10000.0)
     llama.config._attn_implementation = attn
     mistral = AutoModelForCausalLM.from_config(tiny_config("mistral", sliding_window=6, rope_theta=10000.0),
@@ -79,9 +75,7 @@ def test_windowed_layers_attend_as_transformers_sliding_window(attn):
 
 def test_window_rows_measure_reach_and_bytes(tmp_path):
     """--windows rows: the teacher with a layer's attention cut to its last W positions; a window past the probes'
-    length changes nothing, a short one costs retrieval and keeps fewer bytes; bad entries are refused."""
-    from taylor_calibrate.experiments.damage import parse_window
-
+    length changes nothing, a short one changes the predictions and keeps fewer bytes; bad entries are refused."""
     teacher, corpus = tiny_local_teacher(tmp_path, max_position_embeddings=2048)
     args = DamageArgs(teacher=str(teacher), out=str(tmp_path / "out"), windows=["3:4096", "0-3:2"], profile="quick",
                       data=DataArgs(source=str(corpus), seq_len=32, calib_seqs=4, eval_seqs=2), context=2048,

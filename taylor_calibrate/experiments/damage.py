@@ -105,7 +105,8 @@ def window_bytes(budget, cfg, layers: list[int], window: int, dtype) -> float:
 
 def markdown_table(result: dict) -> str:
     tasks = list(result["teacher_probes"]["tasks"])
-    head = "| converted (L) or windowed (L@W) | type | KV bytes | KL | dNLL | " + " | ".join(f"{t} dlogp / acc" for t in tasks) + " |"
+    head = ("| converted (L) or windowed (L@W) | type | KV bytes | KL | dNLL | "
+            + " | ".join(f"{t} dlogp / acc" for t in tasks) + " |")
     lines = [f"Teacher `{result['teacher']}`: calibration probes at {result['probe_lengths']} tokens "
              f"(teacher acc {result['teacher_probes']['acc']:.2f}), cache bytes at {result['context']} tokens.", "",
              head, "|---" * (5 + len(tasks)) + "|"]
