@@ -196,9 +196,15 @@ class DataArgs(CorpusSpec):
     """Number of held-out sequences for perplexity (None: from --profile)."""
     beyond_context: bool = False
     """Allow seq_len beyond the model's max_position_embeddings (positions it was never trained on)."""
+    calib_recall: float = 0.0
+    """Fraction of calibration rows given look-alike recall needles ("frame key value" spans of the row's own text,
+    one asked again at its end; `data.recall_rows`), so that the statistics and phase 2 see the teacher's attention
+    tell keys apart. 0: the corpus rows as they are."""
 
     def __post_init__(self):
         super().__post_init__()
+        if not 0 <= self.calib_recall <= 1:
+            raise ValueError(f"--data.calib_recall={self.calib_recall} must be a fraction of the rows in [0, 1]")
         for name in ("seq_len", "calib_seqs", "eval_seqs"):
             if getattr(self, name) is not None and getattr(self, name) < (2 if name == "seq_len" else 1):
                 raise ValueError(f"--data.{name}={getattr(self, name)} is out of range (must be positive)")
@@ -509,6 +515,9 @@ class TrainArgs:
     lr: float = 1e-3
     """Peak learning rate (AdamW), after a linear warmup, then cosine to 10%. The default was chosen for the converted
     mixers (docs/decisions.md, "End-to-end phase"); training every parameter (`all`) wants a lower one."""
+    mixer_lr: float | None = None
+    """With --train.train all: the converted layers' mixers' peak learning rate, beside --train.lr for every other
+    parameter (a new mixer has more to learn than the teacher's own weights; None: --train.lr for all)."""
     warmup: float = 0.05
     """Warmup length as a fraction of the steps."""
     weight_decay: float = 0.0
@@ -594,6 +603,9 @@ class TrainArgs:
             raise ValueError(f"--train.warmup={self.warmup} must be in [0, 1)")
         if self.lr <= 0 or self.temperature <= 0:
             raise ValueError(f"--train.lr={self.lr} and --train.temperature={self.temperature} must both be > 0")
+        if self.mixer_lr is not None and (self.mixer_lr <= 0 or self.train != "all"):
+            raise ValueError(f"--train.mixer_lr={self.mixer_lr} needs --train.train all and a rate > 0 (with "
+                             f"--train.train {self.train} every trained parameter is a mixer's: set --train.lr)")
         if self.far_weight < 0:
             raise ValueError(f"--train.far_weight={self.far_weight} must be >= 0 (0 turns it off)")
         if min(self.kl_weight, self.hidden_weight, self.ce_weight) < 0 or \

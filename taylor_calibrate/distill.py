@@ -663,12 +663,20 @@ def schedule(args: TrainArgs, n_rows: int, seq: int, world: int) -> Schedule:
                     math.ceil(args.warmup * steps))
 
 
-def make_optimizer(params: list, args: TrainArgs, device: torch.device, world: int) -> torch.optim.AdamW:
-    """AdamW, weight decay on matrices only; fused into one kernel per step on a single GPU."""
-    decay = {id(p) for p in params if p.ndim >= 2}
-    return torch.optim.AdamW([{"params": [p for p in params if id(p) in decay], "weight_decay": args.weight_decay},
-                              {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}],
-                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+def make_optimizer(params: list, args: TrainArgs, device: torch.device, world: int,
+                   mixers: set[int] = frozenset()) -> torch.optim.AdamW:
+    """AdamW, weight decay on matrices only; fused into one kernel per step on a single GPU. Each group carries its
+    peak rate (`peak_lr`): --train.mixer_lr for the parameters whose ids are in `mixers` when it is set, else
+    --train.lr."""
+    split = args.mixer_lr is not None and args.mixer_lr != args.lr
+    groups = []
+    for lr, mine in ((args.lr, [p for p in params if not split or id(p) not in mixers]),
+                     (args.mixer_lr, [p for p in params if split and id(p) in mixers])):
+        if mine or not groups:  # the rest's two groups always exist (checkpoints from before the mixer rate)
+            groups += [{"params": [p for p in mine if p.ndim >= 2], "weight_decay": args.weight_decay, "lr": lr,
+                        "peak_lr": lr},
+                       {"params": [p for p in mine if p.ndim < 2], "weight_decay": 0.0, "lr": lr, "peak_lr": lr}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                              fused=(device.type == "cuda" and world == 1) or None)
 
 
@@ -769,7 +777,9 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             compile_layers(*to_compile)
         model = wrap(student, ctx, args.parallel, device)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = make_optimizer(params, args, device, ctx.world)
+        mixer_names = set(trainable_names(student, "mixers")) if args.mixer_lr is not None else set()
+        opt = make_optimizer(params, args, device, ctx.world,
+                             {id(p) for n, p in student.named_parameters() if n in mixer_names})
         train_step = Step(model, student, teacher, args, sched, device, fused, far, kernel)
 
         start = 0
@@ -820,7 +830,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
         for step in bar:
             factor = warmup_cosine(step, steps, sched.warmup_steps)
             for g in opt.param_groups:
-                g["lr"] = args.lr * factor
+                g["lr"] = g.get("peak_lr", args.lr) * factor
             mine = step_windows(n_rows, args.batch_size, step, args.seed, ctx.rank, ctx.world)  # (per_rank,)
             sums = train_step.run(rows, mine, step)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))

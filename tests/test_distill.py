@@ -248,6 +248,7 @@ def test_torchrun_two_processes_follow_one(assets, parallel):
     (["--train.far_weight", "-1"], "far_weight=-1"),
     (["--train.head", "full"], "head='full'"),
     (["--train.kl_chunk", "0"], "kl_chunk=0"),
+    (["--train.mixer_lr", "1e-3"], "needs --train.train all"),
 ])
 def test_bad_options_are_clear_errors(assets, more, match, capsys, tmp_path):
     root, _, corpus = assets
@@ -356,3 +357,23 @@ def test_train_gdn_freezes_the_kept_attention_of_head_wise_layers():
     assert kept_attention and gdn == mixers - kept_attention  # head-wise: only the GDN heads train
     assert {n for n in gdn if n.startswith("model.layers.3.")} == {n for n in mixers if n.startswith("model.layers.3.")}
     assert not any(n.startswith("model.layers.0.") for n in mixers)  # a kept layer never trains
+
+
+def test_mixer_lr_gives_the_converted_mixers_their_own_rate(assets):
+    """--train.train all --train.mixer_lr: one AdamW step moves each parameter by about its group's rate (Adam's
+    first step is sign(grad) x lr x the schedule's factor), so the mixers move 10x what the teacher's own weights do."""
+    root, _, corpus = assets
+    out = root / "mixer_lr"
+    with one_thread():
+        assert main(_argv(root, corpus, out, 1, "--train.train", "all", "--train.lr", "1e-4", "--train.mixer_lr",
+                          "1e-3", "--train.warmup", "0", "--train.grad_clip", "0")) == 0
+    before = AutoModelForCausalLM.from_pretrained(root / "student").state_dict()
+    after = AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+    moved = {k: (after[k].float() - v.float()).abs().max().item() for k, v in before.items()}
+    mixer = [k for k in moved if k.startswith(tuple(f"model.layers.{i}.self_attn." for i in GDN_LAYERS))
+             and k.endswith("q_proj.weight")]
+    rest = [k for k in moved if k.endswith(("mlp.up_proj.weight", "self_attn.q_proj.weight")) and k not in mixer]
+    assert mixer and rest
+    step = moved[rest[0]]  # the schedule's factor x 1e-4 (one step: the cosine's end)
+    assert step > 0 and all(moved[k] == pytest.approx(step, rel=0.05) for k in rest), {k: moved[k] for k in rest}
+    assert all(moved[k] == pytest.approx(10 * step, rel=0.05) for k in mixer), {k: moved[k] for k in mixer}
