@@ -185,6 +185,35 @@ def test_heads_time_limit_resumes_without_converting_again(recovered_heads, tmp_
     assert done["policies"]["heads"]["taylor+align"]["heldout_loss"] == pytest.approx(want, rel=1e-5)
 
 
+def test_small_files_carried_to_a_fresh_machine_continue_the_experiment(recovered_heads, tmp_path, monkeypatch):
+    """A long experiment split over machines: only the small files of its finished runs travel (options, the
+    teacher's NIAH, the students' JSON, each run's result and NIAH records; no weights or checkpoints). The same
+    command there converts nothing for those runs and builds only the student of the run left to train."""
+    import dataclasses
+    import shutil
+
+    from taylor_calibrate.experiments import recovery
+
+    args, result, out = recovered_heads
+    fresh = tmp_path / "fresh"
+    small = ["options.json", "teacher_niah.json", "students/heads__copy.json", "students/heads__taylor+align.json",
+             "runs/heads__copy/result.json", "runs/heads__copy/niah.jsonl"]
+    for f in small:
+        (fresh / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out / f, fresh / f)
+    built = []
+    real = recovery.convert
+    monkeypatch.setattr(recovery, "convert", lambda conv, *a, **k: built.append(conv.init) or real(conv, *a, **k))
+    with one_thread():
+        again = run_recovery(dataclasses.replace(args, out=str(fresh)))
+    assert built == ["taylor"]  # taylor+align's student only: copy's finished run needs no weights
+    assert again["complete"] is True and again["kept_groups"] == result["kept_groups"]
+    for init in ("copy", "taylor+align"):
+        want = result["policies"]["heads"][init]["heldout_loss"]
+        assert again["policies"]["heads"][init]["heldout_loss"] == pytest.approx(want, rel=1e-5)
+    assert again["policies"]["heads"]["tokens_to_match"] == pytest.approx(result["policies"]["heads"]["tokens_to_match"])
+
+
 def test_retrieval_policies_are_accepted_and_others_fail_early():
     from taylor_calibrate.experiments.recovery import parse_runs
 

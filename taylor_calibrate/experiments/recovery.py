@@ -149,17 +149,19 @@ def convert_args(args: RecoveryArgs, policy: str, init: str) -> ConvertArgs:
     return conv
 
 
-def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryArgs, cache: Path) -> dict:
+def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryArgs, cache: Path,
+                           finished: frozenset = frozenset()) -> dict:
     """{policy: {init: what convert kept}} for the runs of CONVERTED policies: each student built once by
     `convert` and cached (its GDN mixers as safetensors, then its report's STUDENT_KEYS as JSON, written
-    last), so a restarted experiment loads it instead of converting again. All inits of one policy must keep the
-    same heads (they are scored on the teacher): checked."""
+    last), so a restarted experiment loads it instead of converting again. A `finished` run needs only the JSON (its
+    weights are not read again), so an experiment's small files carried to a fresh machine continue it there. All
+    inits of one policy must keep the same heads (they are scored on the teacher): checked."""
     students: dict[str, dict] = {}
     for policy, init in runs:
         if policy not in CONVERTED:
             continue
         weights, meta = student_file(cache, policy, init), cache / f"{policy}__{init}.json"
-        if meta.exists() and weights.exists():
+        if meta.exists() and (weights.exists() or (policy, init) in finished):
             log.info("recovery: student %s / %s from %s", policy, init, weights)
             info = read_json(meta, f"delete {cache} and run again (it is rebuilt)")
         else:
@@ -343,10 +345,15 @@ class Students:
     kept_groups: dict
 
 
+def run_dir_of(out: Path, policy: str, init: str) -> Path:
+    return out / "runs" / f"{policy}__{init}"
+
+
 def prepare_students(teacher, splits, runs: list[tuple[str, str]], args: RecoveryArgs, backend: str, device,
                      ctx: Dist, out: Path) -> Students:
     """Build (or load from `out`) what each run starts from: mixers for layer-wise policies, whole students for
-    head-wise ones; the main process first, the others then read its files."""
+    head-wise ones (a finished run's from its JSON alone); the main process first, the others then read its
+    files."""
     n = teacher.model.config.num_hidden_layers
     layer_runs = [(p, i) for p, i in runs if p not in CONVERTED]
     built, align_reports, kept, scores = {}, {}, {}, {}
@@ -356,7 +363,8 @@ def prepare_students(teacher, splits, runs: list[tuple[str, str]], args: Recover
             built, align_reports, kept, scores = build_or_load(teacher.model, splits, specs,
                                                                list(dict.fromkeys(p for p, _ in layer_runs)), args,
                                                                backend, device, out / "mixers")
-        students = build_or_load_students(teacher, runs, args, out / "students")
+        finished = frozenset(r for r in runs if (run_dir_of(out, *r) / "result.json").exists())
+        students = build_or_load_students(teacher, runs, args, out / "students", finished)
     kv_fraction = {p: len(k) / n for p, k in kept.items()}
     kept_groups = {}
     for policy, by_init in students.items():
@@ -485,7 +493,7 @@ def run_recovery(args: RecoveryArgs) -> dict:
         return result
 
     for policy, init in runs:
-        run_dir = out / "runs" / f"{policy}__{init}"
+        run_dir = run_dir_of(out, policy, init)
         done = run_dir / "result.json"
         if done.exists():
             results[policy][init] = read_json(done, "delete it to train that run again, or pass a new --out")
