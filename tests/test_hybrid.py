@@ -57,6 +57,30 @@ def test_weight_transfer_repeats_gqa_heads():
     assert torch.equal(hybrid.model.layers[0].self_attn.q_proj.weight, teacher.model.layers[0].self_attn.q_proj.weight)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("kept", [None, {1: [0]}], ids=["whole", "headwise"])
+def test_qk_norm_fold_points_q_and_k_where_the_teachers_normed_ones_point(arch, kept):
+    """--gdn.qk_norm fold: with no conv and no activation, the GDN's L2-normalised q and k are the teacher's q/k
+    RMSNorm outputs (Qwen3's w, Gemma 3's 1 + w; here random, with signs) normalised, per head; `drop` loses them."""
+    teacher = tiny_teacher(arch)
+    attn = teacher.model.layers[1].self_attn
+    with torch.no_grad():
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.copy_(torch.randn(norm.weight.shape, generator=torch.Generator().manual_seed(1)) * 2)
+    x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(2))
+    D, H = 16, 4
+    heads = [0, 1, 2, 3] if kept is None else [2, 3]  # KV group 0 kept: query heads 2, 3 (KV head 1) convert
+    want_q = attn.q_norm(attn.q_proj(x).view(2, 7, H, D))[:, :, heads]
+    want_k = attn.k_norm(attn.k_proj(x).view(2, 7, 2, D))[:, :, [h // 2 for h in heads]]
+    unit = lambda t: t / t.norm(dim=-1, keepdim=True)
+    for mode in ("fold", "drop"):
+        cfg = GDNConfig(short_conv="none", qk_activation="identity", qk_norm=mode)
+        mixer = convert_teacher(teacher, [1], cfg, kept_groups=kept).gdn_mixers[1]
+        q, k, *_ = mixer.features(x)  # a head-wise layer's GDN part holds its converted heads only
+        same = torch.allclose(q, unit(want_q), atol=1e-5) and torch.allclose(k, unit(want_k), atol=1e-5)
+        assert same == (mode == "fold"), mode
+
+
 @pytest.mark.parametrize("short_conv", ["none", "random"])
 def test_cached_decoding_equals_full_forward(arch, short_conv):
     teacher = tiny_teacher(arch)

@@ -168,6 +168,28 @@ def copy_attention_weights(gdn: GatedDeltaNet, attn: nn.Module, num_kv_heads: in
             raise ValueError(f"{name} bias mismatch between teacher attention and GDN layer")
         if src is not None:
             dst.copy_(src if name in ("q_proj", "o_proj") else _repeat_heads(src, num_kv_heads, groups))
+    if gdn.cfg.qk_norm == "fold":
+        for proj, norm in (("q_proj", "q_norm"), ("k_proj", "k_norm")):
+            scale = qk_norm_scale(getattr(attn, norm, None), gdn.head_dim)
+            if scale is not None:
+                lin = getattr(gdn, proj)
+                lin.weight.view(gdn.num_heads, gdn.head_dim, -1).mul_(scale.to(lin.weight.dtype)[None, :, None])
+                if lin.bias is not None:
+                    lin.bias.view(gdn.num_heads, gdn.head_dim).mul_(scale.to(lin.bias.dtype))
+
+
+def qk_norm_scale(norm: nn.Module | None, head_dim: int) -> torch.Tensor | None:
+    """The per-channel factor of a teacher's per-head q or k RMSNorm (Qwen3: w, Gemma 3: 1 + w), read off the module
+    itself on a unit vector; None where the attention has none. After the norm a query or key is that factor times a
+    unit-RMS vector, so the factor sets the direction the attention scores compare, which a later L2 normalisation
+    keeps only when it is folded into the projection (method.md, "Weight transfer")."""
+    if norm is None:
+        return None
+    w = getattr(norm, "weight", None)
+    if w is None or w.shape != (head_dim,):
+        raise ValueError(f"the teacher's q/k norm {type(norm).__name__} is not per head channel (weight "
+                         f"{None if w is None else tuple(w.shape)}, head_dim {head_dim}): set --gdn.qk_norm drop")
+    return norm(torch.ones(head_dim, dtype=torch.float32, device=w.device)).float()
 
 
 @torch.no_grad()
