@@ -24,10 +24,10 @@ class GDNConfig:
     v_activation: str = "identity"
     """Activation on v: "identity" (keeps the copied values linear, as attention mixes them; docs/decisions.md,
     "v activation") or "silu" (fla's layer)."""
-    qk_norm: str = "drop"
+    qk_norm: str = "fold"
     """The teacher's per-head q/k RMSNorm (Qwen3, Gemma 3) in the weight transfer: "fold" (its per-channel factor
     into the copied q/k projections, so the L2-normalised q and k point where the teacher's normed ones do) or "drop"
-    (left out: the L2 normalisation stands in for the norm's scale alone)."""
+    (left out: the L2 normalisation stands in for the norm's scale alone; docs/decisions.md, "Teacher q/k norms")."""
     output_norm: bool = True
     """Per-head RMSNorm on the recurrent readout before the gate (fla's o_norm)."""
     gate: str = "swish"
