@@ -81,6 +81,15 @@ def test_qk_norm_fold_points_q_and_k_where_the_teachers_normed_ones_point(arch, 
         assert same == (mode == "fold"), mode
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_qk_norm_fold_leaves_teachers_without_q_k_norms_as_they_were(arch):
+    teacher = tiny_teacher(arch)
+    a, b = (convert_teacher(teacher, [1, 2], GDNConfig(qk_norm=m)).gdn_mixers for m in ("fold", "drop"))
+    for i in (1, 2):
+        sa, sb = a[i].state_dict(), b[i].state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 @pytest.mark.parametrize("short_conv", ["none", "random"])
 def test_cached_decoding_equals_full_forward(arch, short_conv):
     teacher = tiny_teacher(arch)
