@@ -162,7 +162,7 @@ def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryA
             continue
         weights, meta = student_file(cache, policy, init), cache / f"{policy}__{init}.json"
         if meta.exists() and (weights.exists() or (policy, init) in finished):
-            log.info("recovery: student %s / %s from %s", policy, init, weights)
+            log.info("recovery: student %s / %s from %s", policy, init, weights if weights.exists() else meta)
             info = read_json(meta, f"delete {cache} and run again (it is rebuilt)")
         else:
             print(f"\nrecovery: converting the {policy} / {init} student")
