@@ -196,15 +196,9 @@ class DataArgs(CorpusSpec):
     """Number of held-out sequences for perplexity (None: from --profile)."""
     beyond_context: bool = False
     """Allow seq_len beyond the model's max_position_embeddings (positions it was never trained on)."""
-    calib_recall: float = 0.0
-    """Fraction of calibration rows given look-alike recall needles ("frame key value" spans of the row's own text,
-    one asked again at its end; `data.recall_rows`), so that the statistics and phase 2 see the teacher's attention
-    tell keys apart. 0: the corpus rows as they are."""
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 <= self.calib_recall <= 1:
-            raise ValueError(f"--data.calib_recall={self.calib_recall} must be a fraction of the rows in [0, 1]")
         for name in ("seq_len", "calib_seqs", "eval_seqs"):
             if getattr(self, name) is not None and getattr(self, name) < (2 if name == "seq_len" else 1):
                 raise ValueError(f"--data.{name}={getattr(self, name)} is out of range (must be positive)")

@@ -286,7 +286,7 @@ def convert(args: ConvertArgs, teacher: Teacher, rt: Runtime, clock: Clock | Non
 
     with clock("data"):
         d = args.data
-        splits = load_splits(d, teacher.tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs, d.calib_recall)
+        splits = load_splits(d, teacher.tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs)
     with clock("teacher_eval"):
         teacher_eval, teacher_retrieval, probe_len, probes, policy = evaluate_teacher(args, teacher, splits, auto)
         args.policy = policy

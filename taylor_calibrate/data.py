@@ -368,21 +368,14 @@ def pack_tokens(
     return torch.tensor(tokens[:need], dtype=torch.long).view(num_seqs, seq_len)
 
 
-def load_splits(spec: CorpusSpec, tokenizer, seq_len: int, calib_seqs: int, heldout_seqs: int,
-                calib_recall: float = 0.0) -> TokenSplits:
+def load_splits(spec: CorpusSpec, tokenizer, seq_len: int, calib_seqs: int, heldout_seqs: int) -> TokenSplits:
     """Calibration and held-out token rows from disjoint documents of one corpus (distillation's many training
-    rows come from token shards instead: `write_tokens`). `calib_recall`: the fraction of calibration rows given
-    look-alike recall needles (`recall_rows`), so that the statistics and phase 2 see the teacher tell keys apart;
-    the held-out rows stay as they are."""
-    if calib_recall > 0 and seq_len < 256:
-        raise ValueError(f"--data.calib_recall={calib_recall} needs rows of 256 tokens or more to hold its needles; "
-                         f"--data.seq_len is {seq_len}: raise it, or leave calib_recall at 0")
+    rows come from token shards instead: `write_tokens`)."""
     docs = load_documents(spec)
     calib_docs, heldout_docs = split_documents(docs, spec.heldout_fraction, source=spec.source)
     name = spec.source
-    calib = pack_tokens(calib_docs, tokenizer, seq_len, calib_seqs, source=f"{name} (calibration split)")
     return TokenSplits(
-        calib=recall_rows(calib, torch.arange(calib.shape[0]), calib_recall, seed=0, step=0),
+        calib=pack_tokens(calib_docs, tokenizer, seq_len, calib_seqs, source=f"{name} (calibration split)"),
         heldout=pack_tokens(heldout_docs, tokenizer, seq_len, heldout_seqs, source=f"{name} (held-out split)"),
     )
 

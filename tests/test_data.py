@@ -74,20 +74,6 @@ def test_builtin_load_splits_deterministic_and_disjoint():
     assert not {d for d, _ in calib_docs} & {d for d, _ in heldout_docs}
 
 
-def test_calib_recall_writes_needles_into_calibration_rows_only():
-    """--data.calib_recall: the calibration rows are `recall_rows` of the plain ones (every row at 1.0), the held-out
-    rows stay the corpus's; rows too short for the needles are refused, not passed through unchanged."""
-    from taylor_calibrate.data import recall_rows
-    tok = byte_tokenizer()
-    plain = load_splits(CorpusSpec(), tok, seq_len=512, calib_seqs=4, heldout_seqs=2)
-    both = load_splits(CorpusSpec(), tok, seq_len=512, calib_seqs=4, heldout_seqs=2, calib_recall=1.0)
-    assert torch.equal(both.heldout, plain.heldout)
-    assert torch.equal(both.calib, recall_rows(plain.calib, torch.arange(4), 1.0, seed=0, step=0))
-    assert (both.calib != plain.calib).any(1).all()
-    with pytest.raises(ValueError, match="calib_recall=0.5 needs rows of 256 tokens"):
-        load_splits(CorpusSpec(), tok, seq_len=64, calib_seqs=4, heldout_seqs=2, calib_recall=0.5)
-
-
 # ----------------------------------------------------------------------------- splitting
 
 

@@ -148,7 +148,7 @@ def run_ablate(args: AblateArgs) -> dict:
     model = teacher.model
     n = model.config.num_hidden_layers
     d = args.data
-    splits = load_splits(d, teacher.tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs, d.calib_recall)
+    splits = load_splits(d, teacher.tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs)
     teacher_ppl = perplexity(model, splits.heldout, args.eval_batch_size, "teacher ppl")
     tp = TeacherPass.run(model, splits.calib, list(range(n)), device, args.eval_batch_size,
                          store_far=args.phase2.far_weight > 0)

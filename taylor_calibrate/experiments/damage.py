@@ -139,7 +139,7 @@ def run_damage(args: DamageArgs) -> dict:
                          "set one or more layers, e.g. '[\"5\", \"0-3\"]'")
     converted = sorted({i for s in sets for i in s})
     d = args.data
-    splits = load_splits(d, teacher.tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs, d.calib_recall)
+    splits = load_splits(d, teacher.tokenizer, d.seq_len, d.calib_seqs, d.eval_seqs)
     words = tuple(teacher.tokenizer.decode(splits.calib[:8].flatten()).split())
     lengths = selection_lengths(fitting_probes(teacher.tokenizer, cfg, d.seq_len, 1)[0], cfg)
     probes = [p for L in lengths for p in calibration_probes(teacher.tokenizer, words, length=L,

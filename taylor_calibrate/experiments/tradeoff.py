@@ -65,7 +65,7 @@ def end_to_end(hybrid, teacher, row: dict, convert_args: ConvertArgs, flags: str
     hybrid = student.to(dtype).eval()
     hybrid.set_backend(convert_args.backend)
     c = convert_args.data  # the zero-shot rows' held-out text, for a comparable perplexity
-    splits = load_splits(c, teacher.tokenizer, c.seq_len, c.calib_seqs, c.eval_seqs, c.calib_recall)
+    splits = load_splits(c, teacher.tokenizer, c.seq_len, c.calib_seqs, c.eval_seqs)
     e2e = {**row, "distill_tokens": rep["tokens"], "distill_seq_len": rep["seq_len"],
            "distill_flags": flags, "distill_args": {"train": asdict(d.train), "data": asdict(d.data)},
            "distill": {k: rep[k] for k in ("eval_tokens", "heldout_loss", "heldout_kl", "tokens_per_s", "mfu")},
