@@ -154,7 +154,7 @@ def _repeat_heads(w: torch.Tensor, num_kv: int, groups: int) -> torch.Tensor:
 @torch.no_grad()
 def copy_attention_weights(gdn: GatedDeltaNet, attn: nn.Module, num_kv_heads: int) -> None:
     """q_proj <- W_Q, o_proj <- W_O, k/v_proj <- W_K/W_V with GQA heads repeated; biases carried (Qwen2) unless
-    the GDN option `bias` is off."""
+    the GDN option `bias` is off; a teacher's per-head q/k norm factor folded into q/k_proj (`qk_norm` fold)."""
     groups = gdn.num_heads // num_kv_heads
     gdn.q_proj.weight.copy_(attn.q_proj.weight)
     gdn.o_proj.weight.copy_(attn.o_proj.weight)
