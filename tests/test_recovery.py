@@ -185,6 +185,30 @@ def test_heads_time_limit_resumes_without_converting_again(recovered_heads, tmp_
     assert done["policies"]["heads"]["taylor+align"]["heldout_loss"] == pytest.approx(want, rel=1e-5)
 
 
+def test_each_student_is_converted_when_its_run_comes_up(recovered_heads, tmp_path, monkeypatch):
+    """A call the time limit stops converts only the student it trains (a run's convert is minutes on a fresh
+    machine); the call that continues converts the next run's, and the curves are the untimed experiment's."""
+    import dataclasses
+
+    from taylor_calibrate.experiments import recovery
+
+    args, result, out = recovered_heads
+    built = []
+    real = recovery.convert
+    monkeypatch.setattr(recovery, "convert", lambda conv, *a, **k: built.append(conv.init) or real(conv, *a, **k))
+    part = dataclasses.replace(args, out=str(tmp_path / "part"), niah=False, time_limit_s=0.0)
+    with one_thread():
+        stopped = run_recovery(part)
+    assert built == ["copy"] and stopped["complete"] is False
+    assert stopped["kept_groups"] == result["kept_groups"]
+    with one_thread():
+        done = run_recovery(dataclasses.replace(part, time_limit_s=None))
+    assert built == ["copy", "taylor"] and done["complete"] is True
+    for init in ("copy", "taylor+align"):
+        want = result["policies"]["heads"][init]["heldout_loss"]
+        assert done["policies"]["heads"][init]["heldout_loss"] == pytest.approx(want, rel=1e-5)
+
+
 def test_small_files_carried_to_a_fresh_machine_continue_the_experiment(recovered_heads, tmp_path, monkeypatch):
     """A long experiment split over machines: only the small files of its finished runs travel (options, the
     teacher's NIAH, the students' JSON, each run's result and NIAH records; no weights or checkpoints). The same

@@ -150,20 +150,25 @@ def convert_args(args: RecoveryArgs, policy: str, init: str) -> ConvertArgs:
 
 
 def build_or_load_students(teacher, runs: list[tuple[str, str]], args: RecoveryArgs, cache: Path,
-                           finished: frozenset = frozenset()) -> dict:
+                           finished: frozenset = frozenset(), build=None, students: dict | None = None) -> dict:
     """{policy: {init: what convert kept}} for the runs of CONVERTED policies: each student built once by
     `convert` and cached (its GDN mixers as safetensors, then its report's STUDENT_KEYS as JSON, written
     last), so a restarted experiment loads it instead of converting again. A `finished` run needs only the JSON (its
-    weights are not read again), so an experiment's small files carried to a fresh machine continue it there. All
-    inits of one policy must keep the same heads (they are scored on the teacher): checked."""
-    students: dict[str, dict] = {}
+    weights are not read again), so an experiment's small files carried to a fresh machine continue it there. Of the
+    uncached students only those of the runs in `build` (default: every run) are converted: recovery converts each
+    just before its run trains, so a call that the time limit stops converts no student it does not train. Added to
+    `students` when given. All inits of one policy must keep the same heads (they are scored on the teacher):
+    checked."""
+    students = {} if students is None else students
     for policy, init in runs:
-        if policy not in CONVERTED:
+        if policy not in CONVERTED or init in students.get(policy, {}):
             continue
         weights, meta = student_file(cache, policy, init), cache / f"{policy}__{init}.json"
         if meta.exists() and (weights.exists() or (policy, init) in finished):
             log.info("recovery: student %s / %s from %s", policy, init, weights if weights.exists() else meta)
             info = read_json(meta, f"delete {cache} and run again (it is rebuilt)")
+        elif build is not None and (policy, init) not in build:
+            continue
         else:
             print(f"\nrecovery: converting the {policy} / {init} student")
             conv = convert_args(args, policy, init)
@@ -351,9 +356,10 @@ def run_dir_of(out: Path, policy: str, init: str) -> Path:
 
 def prepare_students(teacher, splits, runs: list[tuple[str, str]], args: RecoveryArgs, backend: str, device,
                      ctx: Dist, out: Path) -> Students:
-    """Build (or load from `out`) what each run starts from: mixers for layer-wise policies, whole students for
-    head-wise ones (a finished run's from its JSON alone); the main process first, the others then read its
-    files."""
+    """Build (or load from `out`) what the runs start from: mixers for layer-wise policies; for head-wise ones the
+    cached students (a finished run's from its JSON alone) and, for a policy with none, its first run's, whose kept
+    heads the summary reports (the rest are converted as their runs come up: `student_for`). The main process
+    first, the others then read its files."""
     n = teacher.model.config.num_hidden_layers
     layer_runs = [(p, i) for p, i in runs if p not in CONVERTED]
     built, align_reports, kept, scores = {}, {}, {}, {}
@@ -364,7 +370,13 @@ def prepare_students(teacher, splits, runs: list[tuple[str, str]], args: Recover
                                                                list(dict.fromkeys(p for p, _ in layer_runs)), args,
                                                                backend, device, out / "mixers")
         finished = frozenset(r for r in runs if (run_dir_of(out, *r) / "result.json").exists())
-        students = build_or_load_students(teacher, runs, args, out / "students", finished)
+        students = build_or_load_students(teacher, runs, args, out / "students", finished, build=())
+        first: dict[str, tuple[str, str]] = {}
+        for r in runs:
+            first.setdefault(r[0], r)
+        need = {r for p, r in first.items() if p in CONVERTED and p not in students}  # kept heads, for the summary
+        students = build_or_load_students(teacher, runs, args, out / "students", finished, build=need,
+                                          students=students)
     kv_fraction = {p: len(k) / n for p, k in kept.items()}
     kept_groups = {}
     for policy, by_init in students.items():
@@ -372,6 +384,13 @@ def prepare_students(teacher, splits, runs: list[tuple[str, str]], args: Recover
         kept[policy], scores[policy] = info["kept_layers"], info["policy_scores"]
         kv_fraction[policy], kept_groups[policy] = info["kv_fraction"], info["headwise_kept_groups"]
     return Students(built, align_reports, students, kept, scores, kv_fraction, kept_groups)
+
+
+def student_for(teacher, policy: str, init: str, st: Students, args: RecoveryArgs, ctx: Dist, out: Path) -> None:
+    """Convert (or load) the run's student into `st` just before it trains, when it starts from one."""
+    if policy in CONVERTED and init not in st.students.get(policy, {}):
+        with _main_first(ctx):
+            build_or_load_students(teacher, [(policy, init)], args, out / "students", students=st.students)
 
 
 def starting_hybrid(model, policy: str, init: str, st: Students, args: RecoveryArgs, out: Path):
@@ -504,6 +523,7 @@ def run_recovery(args: RecoveryArgs) -> dict:
             complete = False
             break
         worked = True
+        student_for(teacher, policy, init, st, args, ctx, out)
         hybrid, converted = starting_hybrid(model, policy, init, st, args, out)
         hybrid.set_backend(train_backend)
         run_dir.mkdir(parents=True, exist_ok=True)
