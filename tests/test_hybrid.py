@@ -1,4 +1,6 @@
 """Hybrid model: teacher equivalence, conversion of every architecture, cached decoding, save/load."""
+import dataclasses
+
 import pytest
 import torch
 from conftest import ARCHS, decoded_logits, tiny_teacher
@@ -141,6 +143,16 @@ def test_bad_gdn_options_are_named():
         GDNConfig(short_conv="identity", conv_size=0)
     with pytest.raises(ValueError, match="unknown GDN option"):
         GDNConfig.from_dict({"shortconv": "none"})
+
+
+def test_a_stored_config_from_before_an_option_reads_as_what_was_done_then():
+    """A hybrid saved before `qk_norm` existed was converted by dropping the teacher's q/k norms: its config must not
+    claim the fold that is the default now."""
+    stored = dataclasses.asdict(GDNConfig())
+    assert GDNConfig.from_dict(stored).qk_norm == "fold"
+    del stored["qk_norm"]
+    assert GDNConfig.from_dict(stored).qk_norm == "drop"
+    assert GDNConfig.from_dict({**stored, "qk_norm": "fold"}).qk_norm == "fold"
 
 
 @pytest.mark.parametrize("arch_name", ARCHS)

@@ -52,9 +52,15 @@ class GDNConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "GDNConfig":
-        d = dict(d or {})
+        """The options a hybrid's config stores; one it predates reads as what the code did before it existed."""
+        d = {**PREDATED, **(d or {})}
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown GDN option(s) {sorted(unknown)}; known: {sorted(known)}")
         return cls(**d)
+
+
+PREDATED = {"qk_norm": "drop"}
+"""Options added after hybrids were first saved, with what a hybrid saved without them was converted with (the q/k
+norm fold came in with the option: a stored config that lacks it was converted by dropping the norms)."""
