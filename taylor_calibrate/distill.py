@@ -720,6 +720,62 @@ class Step:
         return sums
 
 
+@dataclass
+class Models:
+    """How a run drives its models (`prepare_models`)."""
+    kernel: object  # the loss kernel
+    fused: bool  # the fused loss: no tokens x vocabulary logits
+    far: FarMass | None  # the teacher observed for the far-attention weights
+    to_compile: list  # the models compiled and run with `impl`
+    impl: str  # transformers' attention implementation during the run
+    compiled: bool
+
+
+def prepare_models(student, teacher, rows, args: TrainArgs, seq: int, device, ctx: Dist, desc: str,
+                   swapped: list) -> Models:
+    """Freeze the teacher, check the heads the fused loss assumes, swap in the run's attention (recorded in
+    `swapped`, which the caller restores even when this raises) and compile."""
+    teacher.requires_grad_(False).eval()
+    compiled = args.compile if args.compile is not None else device.type == "cuda"
+    kernel = loss_kernel(args.loss_kernel, device, compiled)
+    fused = args.head == "fused"
+    if fused:  # both heads are what the fused loss assumes (a short row, eager, before anything is wrapped)
+        probe = rows[range(1)][:, :16].to(device)
+        with autocast(device):
+            check_head(student, probe, "student")
+            check_head(teacher, probe, "teacher")
+    layers = student.config.gdn_layers
+    far = FarMass(gdn_heads(teacher.config, layers, {i: student.config.kept_groups(i) for i in layers})) \
+        if args.far_weight else None
+    # an observed teacher (far_weight) runs eagerly: its attention goes through the statistics pass
+    to_compile = [student] + ([] if far else [teacher])
+    impl = resolve_attention(args.attention, student.config, seq, device)
+    if ctx.main:
+        log.info("%s: attention %s for %d-token rows", desc, impl, seq)
+    swapped.extend(swap_attention(to_compile, impl))
+    if compiled:
+        compile_layers(*to_compile)
+    return Models(kernel, fused, far, to_compile, impl, compiled)
+
+
+def start_step(out: Path, model, opt, identity: dict, start_over: str, resume: bool, ctx: Dist, desc: str,
+               steps: int) -> int:
+    """The step a run starts after: its newest checkpoint's (resumed into `model` and `opt`), else 0 with an earlier
+    run's files cleared from `out`."""
+    meta = resume_checkpoint(out, model, opt, identity, start_over) if resume else None
+    start = 0
+    if meta is not None:
+        start = meta["step"]
+        log.info("resuming %s from step %d of %d (%s)", desc, start, steps, out / CKPT_DIR)
+        if ctx.main and start < steps:  # an earlier stop's report and model/ do not stand beside new checkpoints
+            clear_result(out)  # (a finished run run again trains nothing: its result stays until rewritten)
+    elif ctx.main:
+        clear_run(out)
+    if ctx.main:
+        out.mkdir(parents=True, exist_ok=True)
+    return start
+
+
 def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.Tensor, args: TrainArgs,
             out: str | Path, *, resume: bool = True, eval_batch_size: int = 4, ctx: Dist | None = None,
             desc: str = "distill", on_step=None, deadline: float | None = None,
@@ -755,26 +811,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     held = hold_frozen(student, device) if ctx.world == 1 or args.parallel == "ddp" else []
     swapped = []  # (model, its own attention implementation) while the run uses another
     try:
-        teacher.requires_grad_(False).eval()
-        compiled = args.compile if args.compile is not None else device.type == "cuda"
-        kernel = loss_kernel(args.loss_kernel, device, compiled)
-        fused = args.head == "fused"
-        if fused:  # both heads are what the fused loss assumes (a short row, eager, before anything is wrapped)
-            probe = rows[range(1)][:, :16].to(device)
-            with autocast(device):
-                check_head(student, probe, "student")
-                check_head(teacher, probe, "teacher")
-        layers = student.config.gdn_layers
-        far = FarMass(gdn_heads(teacher.config, layers, {i: student.config.kept_groups(i) for i in layers})) \
-            if args.far_weight else None
-        # an observed teacher (far_weight) runs eagerly: its attention goes through the statistics pass
-        to_compile = [student] + ([] if far else [teacher])
-        impl = resolve_attention(args.attention, student.config, seq, device)
-        if ctx.main:
-            log.info("%s: attention %s for %d-token rows", desc, impl, seq)
-        swapped = swap_attention(to_compile, impl)
-        if compiled:
-            compile_layers(*to_compile)
+        m = prepare_models(student, teacher, rows, args, seq, device, ctx, desc, swapped)
+        kernel, fused, far, to_compile, impl, compiled = m.kernel, m.fused, m.far, m.to_compile, m.impl, m.compiled
         model = wrap(student, ctx, args.parallel, device)
         params = [p for p in model.parameters() if p.requires_grad]
         mixer_names = set(trainable_names(student, "mixers")) if args.mixer_lr is not None else set()
@@ -782,17 +820,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
                              {id(p) for n, p in student.named_parameters() if n in mixer_names})
         train_step = Step(model, student, teacher, args, sched, device, fused, far, kernel)
 
-        start = 0
-        meta = resume_checkpoint(out, model, opt, identity, start_over) if resume else None
-        if meta is not None:
-            start = meta["step"]
-            log.info("resuming %s from step %d of %d (%s)", desc, start, steps, out / CKPT_DIR)
-            if ctx.main and start < steps:  # an earlier stop's report and model/ do not stand beside new checkpoints
-                clear_result(out)  # (a finished run run again trains nothing: its result stays until rewritten)
-        elif ctx.main:
-            clear_run(out)
-        if ctx.main:
-            out.mkdir(parents=True, exist_ok=True)
+        start = start_step(out, model, opt, identity, start_over, resume, ctx, desc, steps)
         metrics = Metrics(out / METRICS, start, ctx.main)
         extra = {"steps": steps, "tokens_per_step": tokens_per_step, "identity": identity}
 
