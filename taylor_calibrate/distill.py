@@ -811,14 +811,14 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     held = hold_frozen(student, device) if ctx.world == 1 or args.parallel == "ddp" else []
     swapped = []  # (model, its own attention implementation) while the run uses another
     try:
-        m = prepare_models(student, teacher, rows, args, seq, device, ctx, desc, swapped)
-        kernel, fused, far, to_compile, impl, compiled = m.kernel, m.fused, m.far, m.to_compile, m.impl, m.compiled
+        models = prepare_models(student, teacher, rows, args, seq, device, ctx, desc, swapped)
         model = wrap(student, ctx, args.parallel, device)
         params = [p for p in model.parameters() if p.requires_grad]
         mixer_names = set(trainable_names(student, "mixers")) if args.mixer_lr is not None else set()
         opt = make_optimizer(params, args, device, ctx.world,
                              {id(p) for n, p in student.named_parameters() if n in mixer_names})
-        train_step = Step(model, student, teacher, args, sched, device, fused, far, kernel)
+        train_step = Step(model, student, teacher, args, sched, device, models.fused, models.far,
+                          models.kernel)
 
         start = start_step(out, model, opt, identity, start_over, resume, ctx, desc, steps)
         metrics = Metrics(out / METRICS, start, ctx.main)
@@ -828,7 +828,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
 
         def evaluate(step):
             t = time.perf_counter()
-            res = heldout_eval(model, teacher, heldout, eval_batch_size, ctx, device, args.kl_chunk, kernel)
+            res = heldout_eval(model, teacher, heldout, eval_batch_size, ctx, device, args.kl_chunk, models.kernel)
             seconds["eval_s"] += time.perf_counter() - t
             rec = {"step": step, "tokens": step * tokens_per_step, **res}
             if not math.isfinite(rec["heldout_loss"]):
@@ -841,7 +841,7 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
             restore_attention(swapped)  # and runs eagerly: generate's shapes and that attention would recompile layers
             with torch.compiler.set_stance("force_eager"):
                 on_step(step, student)
-            swap_attention(to_compile, impl)
+            swap_attention(models.to_compile, models.impl)
 
         if start == 0:
             start_kl = evaluate(0)["heldout_kl"]
@@ -901,8 +901,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
                          steps)
                 break
 
-        if compiled:
-            uncompile_layers(*to_compile)
+        if models.compiled:
+            uncompile_layers(*models.to_compile)
     finally:  # a run that raises hands its student back in fp32 (and its own attention) too
         release_frozen(held)
         restore_attention(swapped)
