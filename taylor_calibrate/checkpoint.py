@@ -218,6 +218,18 @@ def check_state(path, config, state: dict, fix: str) -> None:
     check_finite(state, str(path), fix)
 
 
+def check_model_path(path: Path) -> None:
+    """`path` is a model directory (a config.json in it) whose writer finished: a distill run's directory names its
+    model/ inside, any other wrong path the output of `convert` to pass instead."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory; pass the output directory of `convert`")
+    if not (path / "config.json").exists():
+        if is_output_of(path, "distill"):
+            raise FileNotFoundError(f"{path} is a distill run's directory; its model is {path / 'model'}")
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the output of `convert`")
+    check_finished(path)
+
+
 def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     """Load a saved hybrid (or any causal LM directory) and its tokenizer; corrupt, partial, mixed or non-finite
     directories get an error that names the file and the fix instead of a stack trace or a silently wrong model."""
@@ -225,11 +237,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
 
     path = Path(path)
     fix = REWRITE
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path} is not a directory; pass the output directory of `convert`")
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the output of `convert`")
-    check_finished(path)
+    check_model_path(path)
     check_json_files(path, fix)
     cfg = json.loads((path / "config.json").read_text())
     check_model_type(path, cfg, fix)

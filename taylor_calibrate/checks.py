@@ -199,6 +199,7 @@ def output_lock(path: str | Path, command: str = "", flag: str = "--out"):
         return
     import fcntl
 
+    made = [p for p in [path.parent, *path.parent.parents] if not p.exists()]  # removed again if left empty
     path.parent.mkdir(parents=True, exist_ok=True)
     if lf.exists() and not lf.is_file():  # never made by a run of ours; a pipe would block the holder's reader
         raise ValueError(f"the lock file {lf} of {flag} {path} is not a regular file (a directory, pipe, socket or "
@@ -246,6 +247,9 @@ def output_lock(path: str | Path, command: str = "", flag: str = "--out"):
         with contextlib.suppress(OSError):
             lf.unlink()
         f.close()
+        for d in made:  # deepest first; a run that wrote its output leaves them non-empty
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
 
 def writes_out(command: str, out_of=lambda args: args.out, nested_ok: tuple[str, ...] = ()):

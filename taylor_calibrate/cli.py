@@ -163,7 +163,12 @@ def usage_error(e: argparse.ArgumentError, name: str | None, words: list[str] = 
     if m := _WRONG_FORM.fullmatch(text):
         kind = m[2] or m[3] or m[4]
         if kind in _FORMS:
-            return f"--{m[1]} {m[5]!r} is not {_FORMS[kind]} ({help_})"
+            words = list(words)
+            given = next((b if a == f"--{m[1]}" else a.split("=", 1)[1] for a, b in zip(words, words[1:] + [""])
+                          if a == f"--{m[1]}" or a.startswith(f"--{m[1]}=")), "")
+            quote = (" (in a list, an item holding a comma or a colon goes in double quotes: '[\"5,17\", "
+                     "\"5:512\"]')") if kind == "str" and given.lstrip().startswith("[") else ""
+            return f"--{m[1]} {m[5]!r} is not {_FORMS[kind]}{quote} ({help_})"
     forms = {
         r'expected "command" to be one of .*but it was not provided\.?': lambda m: "no command given; pass one of "
         f"{', '.join(COMMANDS)} ({help_})",

@@ -181,6 +181,8 @@ class CorpusSpec:
     def __post_init__(self):
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"--data.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+        if not str(self.source).strip():  # an empty path would read the current directory as the corpus
+            raise ValueError("--data.source is empty; name a corpus (builtin, pysrc, a file, a directory, a dataset)")
 
 
 @dataclass
@@ -200,8 +202,9 @@ class DataArgs(CorpusSpec):
     def __post_init__(self):
         super().__post_init__()
         for name in ("seq_len", "calib_seqs", "eval_seqs"):
-            if getattr(self, name) is not None and getattr(self, name) < (2 if name == "seq_len" else 1):
-                raise ValueError(f"--data.{name}={getattr(self, name)} is out of range (must be positive)")
+            least = 2 if name == "seq_len" else 1  # a row predicts its tokens from the ones before
+            if getattr(self, name) is not None and getattr(self, name) < least:
+                raise ValueError(f"--data.{name}={getattr(self, name)} is out of range (must be >= {least})")
 
 
 INITS = ("copy", "zero_gate", "paper", "taylor")

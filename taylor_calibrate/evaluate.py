@@ -183,6 +183,9 @@ def eval_out(args: EvalArgs) -> Path:
     if args.out:
         return Path(args.out)
     model = Path(args.model)
+    if not model.is_dir():
+        raise FileNotFoundError(f"--model {args.model} is not a directory; pass the output directory of `convert` or "
+                                "`distill`'s <run>/model (the teacher goes to --teacher)")
     if model.name == "model" and is_output_of(model.parent, "distill"):
         return model.parent / "eval"
     try:

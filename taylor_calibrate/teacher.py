@@ -14,6 +14,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +55,11 @@ def embedded_teacher_path() -> Path:
 
 
 def resolve_device(device: str) -> torch.device:
+    """--device: "auto" (CUDA when visible, else CPU), "cpu", "cuda" or "cuda:N"; anything else is refused."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"--device {device!r} is not a device this package runs on; use auto, cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device={device!r} asked for, but no CUDA GPU is visible; use --device cpu")
     return torch.device(device)
@@ -96,6 +100,10 @@ def hybrid_teacher_error(spec: str | None, what: str, origin: str | None) -> str
             "writes this form): it is not a teacher to convert. Pass the Transformer it was converted from"
             f"{f' ({origin})' if origin else ''} as --teacher (supported: {', '.join(SUPPORTED_ARCHITECTURES)}); "
             "to train a hybrid of ours further, pass its `convert` output directory to `distill --student`")
+
+
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+"""GGUF architecture names that transformers loads as another model type (a Gemma 3 GGUF is its text model)."""
 
 
 def gguf_architecture(path: str | Path) -> tuple[str | None, str | None]:
@@ -311,7 +319,13 @@ def load_tokenizer(spec: str = DEFAULT_TEACHER):
         except Exception as e:  # a damaged entry: the GGUF is still there (load_teacher rewrites the entry)
             log.warning("teacher cache %s: tokenizer unreadable (%s); reading it from %s", entry, e, spec)
     check_tokenizer_files(where, kw)
-    return _read_tokenizer(spec, where, kw)
+    try:
+        return _read_tokenizer(spec, where, kw)
+    except ValueError:
+        arch, origin = gguf_architecture(Path(where) / kw["gguf_file"]) if "gguf_file" in kw else (None, None)
+        if arch in _HYBRIDS:  # an export of ours: transformers reads no tokenizer of a GGUF it cannot load
+            raise ValueError(hybrid_teacher_error(spec, _HYBRIDS[arch], origin)) from None
+        raise
 
 
 def _read_tokenizer(spec: str, where: str, kw: dict):
@@ -527,7 +541,7 @@ def _load_teacher(spec: str, device, dtype: torch.dtype, attn_implementation: st
             arch, origin = gguf_architecture(Path(where) / kw["gguf_file"])
             if arch in _HYBRIDS:
                 raise ValueError(hybrid_teacher_error(spec, _HYBRIDS[arch], origin)) from None
-            if arch is not None and arch not in SUPPORTED_ARCHITECTURES:
+            if arch is not None and GGUF_MODEL_TYPES.get(arch, arch) not in SUPPORTED_ARCHITECTURES:
                 raise ValueError(f"teacher GGUF file {spec!r} holds a {arch!r} model, which transformers cannot load "
                                  f"as a teacher ({type(e).__name__}: {e}); pass a GGUF or HF checkpoint of a supported "
                                  f"architecture ({', '.join(SUPPORTED_ARCHITECTURES)})") from None

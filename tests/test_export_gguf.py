@@ -394,6 +394,26 @@ def test_convert_of_an_exported_model_names_it_and_the_teacher_to_pass(tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+def test_a_tokenizer_transformers_cannot_read_from_our_gguf_names_the_export(tmp_path, monkeypatch):
+    """`tokenize --model <our GGUF export>` where transformers' GGUF tokenizer reader fails (it wants keys of the
+    architectures it loads; KeyError 'qwen35.full_attention_interval' on a real export) said the tokenizer files
+    were damaged; it names the file as an export of a hybrid instead."""
+    import taylor_calibrate.teacher as teacher_mod
+
+    tok = tiny_tokenizer([p.read_text() for p in sorted(tiny_corpus(tmp_path / "corpus").iterdir())])
+    _, hybrid = tiny_hybrid(vocab_size=VOCAB)
+    save_hybrid(hybrid, tok, tmp_path / "hybrid")
+    path = export_gguf(tmp_path / "hybrid", tmp_path / "gguf")
+
+    def unreadable(where, kw):
+        raise KeyError("qwen35.full_attention_interval")
+
+    monkeypatch.setattr(teacher_mod, "_tokenizer", unreadable)
+    with pytest.raises(ValueError, match="is a Qwen3.5 model") as e:
+        teacher_mod.load_tokenizer(str(path))
+    assert "damaged" not in str(e.value)
+
+
 def test_export_cli_writes_f16_matrices_on_request(tmp_path, capsys):
     """`export --format gguf --gguf_type f16`: the weight matrices in f16 (what llama.cpp serves), the rest fp32;
     --gguf_type with --format qwen3_5 is refused at parse."""

@@ -415,3 +415,46 @@ def test_main_in_process_leaves_the_callers_sigterm_handler(tw):
     before = signal.getsignal(signal.SIGTERM)
     fails(main("convert", "--keep_every", "four", "--out", root / "sigterm_handler"), "is not an integer")
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+# --- inputs an audit found answered by the wrong cause ------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["convert", "--device", "gpu"], r"--device 'gpu' is not a device .* auto, cpu, cuda or cuda:N"),
+    (["convert", "--data.source", ""], r"--data.source is empty; name a corpus"),
+    (["convert", "--data.seq_len", "1"], r"--data.seq_len=1 is out of range \(must be >= 2\)"),
+    (["damage", "--sets", "[5,17]"], r"--sets '5' is not a string \(in a list, an item holding a comma .*\"5,17\""),
+    (["damage", "--windows=[5:30]"], r"--windows '330' is not a string \(in a list, an item holding a comma"),
+])
+def test_a_mistaken_value_names_the_option_and_the_form(tw, argv, message):
+    """--device gpu was torch's list of 20 device types; an empty --data.source read the current directory as the
+    corpus; a list item with a comma or colon (YAML reads 5:30 as 330) did not say how to quote it."""
+    root, teacher, corpus, hybrid = tw
+    fails(main(*argv, "--out", root / "mistaken"), message)
+    assert not (root / "mistaken").exists()
+
+
+def test_a_report_that_is_not_text_is_named(tw, tmp_path):
+    binary = tmp_path / "report.json"
+    binary.write_bytes(b"\x8b\x00\xff" * 10)
+    fails(main("report", "--file", binary), rf"{binary} is not text")
+
+
+def test_a_distill_run_given_for_its_model_names_model(tw, tmp_path):
+    """`eval --model RUN` (and export, distill --student) said "no config.json; pass the output of convert"."""
+    root, teacher, corpus, hybrid = tw
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "tokens": 0, "heldout_loss": 1.0, "heldout_kl": 0.1})
+                                       + "\n")
+    for argv in (["eval", "--model", run, "--out", tmp_path / "e"], ["export", "--model", run, "--out", tmp_path / "x"]):
+        fails(main(*argv), rf"{run} is a distill run's directory; its model is {run / 'model'}")
+
+
+def test_a_missing_model_leaves_no_directory_behind(tw, tmp_path, monkeypatch):
+    """`eval --model smollm2-135m` (a teacher's name) made ./smollm2-135m for its default --out, and a convert that
+    failed left the parents of its --out behind."""
+    root, teacher, corpus, hybrid = tw
+    monkeypatch.chdir(tmp_path)
+    fails(main("eval", "--model", "smollm2-135m"), r"--model smollm2-135m is not a directory; .*--teacher")
+    fails(main("convert", "--teacher", tmp_path / "nowhere", "--out", tmp_path / "deep" / "a" / "b"), "nowhere")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -1,5 +1,8 @@
 """Teacher loading: clear errors for everything a user can get wrong."""
+from pathlib import Path
+
 import pytest
+import torch
 from conftest import tiny_config
 
 from taylor_calibrate.teacher import check_architecture, load_teacher, resolve_device, resolve_dtype
@@ -256,3 +259,26 @@ def torch_linear():
     import torch
 
     return torch.nn.Linear
+
+
+def test_a_truncated_gemma3_gguf_is_named_truncated(tmp_path, monkeypatch):
+    """A GGUF says `gemma3` where transformers' model type is `gemma3_text`: a cut-off Gemma 3 file was refused as
+    an unsupported architecture instead of as truncated."""
+    import taylor_calibrate.teacher as teacher_mod
+    from taylor_calibrate.teacher import DEFAULT_TEACHER, _locate
+
+    where, kw = _locate(DEFAULT_TEACHER)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((Path(where) / kw["gguf_file"]).read_bytes()[:4_000_000])
+    monkeypatch.setattr(teacher_mod, "gguf_architecture", lambda path: ("gemma3", None))
+    with pytest.raises(ValueError, match="is truncated or not a GGUF model"):
+        load_teacher(str(cut), torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(teacher_mod, "gguf_architecture", lambda path: ("rwkv7", None))
+    with pytest.raises(ValueError, match="holds a 'rwkv7' model, which transformers cannot load"):
+        load_teacher(str(cut), torch.device("cpu"), torch.float32)
+
+
+def test_a_device_this_package_does_not_run_on_is_refused():
+    for device in ("gpu", "mps", "meta", "cuda:x"):
+        with pytest.raises(ValueError, match="use auto, cpu, cuda or cuda:N"):
+            resolve_device(device)

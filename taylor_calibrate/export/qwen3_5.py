@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from taylor_calibrate.checkpoint import (REWRITE, check_finished, check_hybrid_config, check_json_files,
+from taylor_calibrate.checkpoint import (REWRITE, check_hybrid_config, check_json_files, check_model_path,
                                         check_safetensors, check_state)
 from taylor_calibrate.model.hybrid_config import MIXER_TYPE, HybridConfig
 from taylor_calibrate.model.mixers import get_spec, spec_for_options
@@ -232,11 +232,7 @@ def qwen3_5_state_dict(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> dic
 def check_model_dir(path: Path) -> dict:
     """The config.json of a hybrid directory read as the loader reads it: the directory's JSON files regular files
     holding objects (a pipe would block the reader), the config the shape `convert` writes. Returns the config."""
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path} is not a directory; pass the output directory of `convert`")
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the output of `convert`")
-    check_finished(path)
+    check_model_path(path)
     check_json_files(path, REWRITE)
     cfg = json.loads((path / "config.json").read_text())
     model_type = cfg.get("model_type")

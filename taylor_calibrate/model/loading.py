@@ -21,7 +21,11 @@ def read_text(path, fix: str) -> str:
     if path.exists() and not path.is_file():
         raise NotRegularFile(f"{path} is not a regular file (a directory, pipe, socket or device)"
                              + (f"; {fix}" if fix else ""))
-    return path.read_text()
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not text ({e}): it is damaged or not a file of ours"
+                         + (f"; {fix}" if fix else "")) from None
 
 
 class NotJSON(ValueError):
