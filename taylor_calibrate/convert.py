@@ -328,7 +328,7 @@ def convert(args: ConvertArgs, teacher: Teacher, rt: Runtime, clock: Clock | Non
         hybrid_retrieval = answer_scores(hybrid, probes) if probes else None
 
     report = {
-        "teacher": args.teacher, "init": args.init, "align": args.align, "policy": policy, "policy_auto": auto,
+        "teacher": args.teacher, "init": args.init, "align": aligned(args), "policy": policy, "policy_auto": auto,
         "layer_types": list(hybrid.config.layer_types), "kept_layers": choice.kept, "gdn_layers": converted,
         "headwise_kept_groups": {str(i): g for i, g in headwise.items()},
         **cache_report(cfg, hybrid.config, context, rt.dtype),  # context, kv_bytes, kv_fraction (bytes)
@@ -397,12 +397,17 @@ def phase_command(report: dict, out: str, seq: int) -> str:
     return cmd
 
 
+def aligned(args: ConvertArgs) -> bool:
+    """Whether the conversion aligned its layers: --align, with phase 2 given steps to take."""
+    return bool(args.align and args.phase2.steps)
+
+
 def print_summary(report: dict, args: ConvertArgs, out: Path | None) -> None:
     """The conversion's table: perplexity, KV kept, retrieval, alignment error, sizes, stage times."""
     n, kept, headwise = len(report["layer_types"]), report["kept_layers"], report["headwise_kept_groups"]
     print(f"\nconverted {args.teacher}: {len(report['gdn_layers'])} of {n} layers -> GDN ({args.policy}), "
           f"kept attention {kept}")
-    init = f"{args.init}{' + align' if args.align else ''}"
+    init = f"{args.init}{' + align' if aligned(args) else ''}"
     rows = [("teacher ppl", f"{report['teacher_ppl']:.3f}"), (f"hybrid ppl ({init})", f"{report['hybrid_ppl']:.3f}"),
             ("KL to the teacher / top-1 agreement", f"{report['agreement']['kl']:.4f} nats / "
                                                     f"{report['agreement']['top1']:.3f}"),

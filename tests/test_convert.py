@@ -240,3 +240,18 @@ def test_the_phase_suggested_trains_every_parameter_when_few_layers_convert():
     cmd = phase_command(gemma, "out/g", 4096)
     assert cmd.startswith("taylor-calibrate distill --student out/g --data.seq_len 4096")
     assert "--train.train all --train.lr 1e-4" in cmd
+
+
+def test_no_phase2_steps_is_reported_as_no_alignment(tmp_path, capsys):
+    """`--phase2.steps 0` with --align true aligns nothing: the report and the table said "taylor + align"."""
+    from conftest import one_thread, tiny_local_teacher
+    teacher_dir, corpus = tiny_local_teacher(tmp_path)
+    out = tmp_path / "out"
+    with one_thread():
+        assert main(["convert", "--teacher", str(teacher_dir), "--policy", "uniform", "--device", "cpu", "--backend",
+                     "torch", "--data.source", str(corpus), "--data.seq_len", "32", "--data.calib_seqs", "4",
+                     "--data.eval_seqs", "2", "--phase2.steps", "0", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["align"] is False and report["args"]["align"] is True  # what ran, beside what was asked
+    printed = capsys.readouterr().out
+    assert "hybrid ppl (taylor)" in printed and "+ align" not in printed
