@@ -279,6 +279,10 @@ def convert(args: ConvertArgs, teacher: Teacher, rt: Runtime, clock: Clock | Non
     n, kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     args, auto = resolve_args(args, cfg, rt.device.type)
     context = default_context(cfg, args.context)
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    if max_pos and context > max_pos:
+        log.warning("--context %d is beyond the teacher's max_position_embeddings %d: the cache is counted (and "
+                    "--kv_budget spent) at a length the teacher was not trained for", context, max_pos)
     budget = byte_budget(cfg, args.gdn, args.kv_budget, context, rt.dtype)  # --kv_budget: bytes at --context
     if args.policy not in SCORED + RETRIEVAL:  # a bad layer list or an unreachable budget fails before any work
         kept_layers(args.policy, n, args.keep_every, kv_budget=budget)

@@ -255,3 +255,15 @@ def test_no_phase2_steps_is_reported_as_no_alignment(tmp_path, capsys):
     assert report["align"] is False and report["args"]["align"] is True  # what ran, beside what was asked
     printed = capsys.readouterr().out
     assert "hybrid ppl (taylor)" in printed and "+ align" not in printed
+
+
+def test_a_context_beyond_the_teachers_positions_is_warned(tmp_path, caplog):
+    from conftest import one_thread, tiny_local_teacher
+    teacher_dir, corpus = tiny_local_teacher(tmp_path)
+    max_pos = json.loads((teacher_dir / "config.json").read_text())["max_position_embeddings"]
+    with one_thread(), caplog.at_level("WARNING", logger="taylor_calibrate"):
+        assert main(["convert", "--teacher", str(teacher_dir), "--policy", "uniform", "--device", "cpu", "--backend",
+                     "torch", "--data.source", str(corpus), "--data.seq_len", "32", "--data.calib_seqs", "4",
+                     "--data.eval_seqs", "2", "--phase2.steps", "1", "--context", str(4 * max_pos),
+                     "--out", str(tmp_path / "out")]) == 0
+    assert f"--context {4 * max_pos} is beyond the teacher's max_position_embeddings {max_pos}" in caplog.text
