@@ -29,17 +29,13 @@ import torch
 from taylor_calibrate.checkpoint import load_model
 from taylor_calibrate.model.hybrid import kept_heads
 from taylor_calibrate.results import record
-from taylor_calibrate.retrieval import PROBE_ROOM, answer_scores, make_probe, make_samples
+from taylor_calibrate.retrieval import PROBE_ROOM, answer_scores, make_probe, make_samples, token_positions
 from taylor_calibrate.stats import observing, row_scores
 from taylor_calibrate.teacher import load_teacher, resolve_device
 
 NEEDLE = re.compile(r"The special magic number for (\S+) is: (\d+)\.")
 SPANS = ("asked_number", "other_numbers", "asked_key", "other_keys")
 ROWS = ("answer", "question")
-
-
-def _positions(offsets, spans) -> list[int]:
-    return [i for i, (a, b) in enumerate(offsets) if b > a and any(b > s and a < e for s, e in spans)]
 
 
 def locate(sample, tokenizer):
@@ -54,8 +50,8 @@ def locate(sample, tokenizer):
         found["asked_number" if asked else "other_numbers"].append(m.span(2))
     q_key = sample.prompt.rfind(" for ") + 5  # the question's key: the last "for KEY" in the prompt
     q_end = sample.prompt.index(" ", q_key)
-    spans = {s: _positions(offsets, v) for s, v in found.items()}
-    rows = {"answer": [i - 1 for i in probe.answer], "question": _positions(offsets, [(q_key, q_end)])}
+    spans = {s: token_positions(offsets, v) for s, v in found.items()}
+    rows = {"answer": [i - 1 for i in probe.answer], "question": token_positions(offsets, [(q_key, q_end)])}
     if not all(spans.values()) or not rows["question"]:
         raise ValueError("could not locate every needle span in a multikey probe")
     return probe, rows, spans

@@ -330,7 +330,7 @@ class Probe:
     needle: list[int]
 
 
-def _token_positions(offsets, spans) -> list[int]:
+def token_positions(offsets, spans) -> list[int]:
     """Positions of the tokens whose character range overlaps one of `spans` (special tokens have empty ranges)."""
     return [i for i, (a, b) in enumerate(offsets) if b > a and any(b > s and a < e for s, e in spans)]
 
@@ -346,8 +346,8 @@ def make_probe(sample: Sample, tokenizer) -> Probe:
     start = len(sample.prompt) + 1
     at = sample.prompt.index(sample.needle)
     spans = [(at + m.start(), at + m.end()) for m in re.finditer(re.escape(sample.answer), sample.needle)]
-    answer = _token_positions(enc["offset_mapping"], [(start, len(text))])
-    needle = _token_positions(enc["offset_mapping"], spans)
+    answer = token_positions(enc["offset_mapping"], [(start, len(text))])
+    needle = token_positions(enc["offset_mapping"], spans)
     if not answer or not needle or answer[0] == 0:
         raise ValueError(f"cannot locate the answer tokens of a {sample.task} probe: the tokenizer gives no offsets")
     return Probe(task=sample.task, ids=list(enc["input_ids"]), answer=answer, needle=needle)
