@@ -16,6 +16,7 @@ import shlex
 import signal
 import sys
 import threading
+import typing
 
 from jsonargparse import ArgumentParser, Namespace, set_parsing_settings
 
@@ -147,6 +148,12 @@ def _guess(option: str, name: str | None) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+def _of_strings(option: str, name: str | None) -> bool:
+    """Whether --option of command `name` takes a list of strings (its items are quoted in the list's form)."""
+    action = _subparser(name)._option_string_actions.get(f"--{option}")
+    return typing.get_args(getattr(action, "_typehint", None)) == (str,)  # jsonargparse's record of the type
+
+
 def usage_error(e: argparse.ArgumentError, name: str | None, words: list[str] = ()) -> str:
     """jsonargparse's message (a usage page, then "Parser key ...:" over two lines) as one line naming the option and
     the form it takes, else --help."""
@@ -168,7 +175,8 @@ def usage_error(e: argparse.ArgumentError, name: str | None, words: list[str] = 
                           if a == f"--{m[1]}" or a.startswith(f"--{m[1]}=")), "")
             quote = (" (in a list, an item holding a comma or a colon goes in double quotes: '[\"5,17\", "
                      "\"5:512\"]')") if kind == "str" and given.lstrip().startswith("[") else ""
-            return f"--{m[1]} {m[5]!r} is not {_FORMS[kind]}{quote} ({help_})"
+            form = "a list, written '[\"a\", \"b\"]'" if kind == "list" and _of_strings(m[1], name) else _FORMS[kind]
+            return f"--{m[1]} {m[5]!r} is not {form}{quote} ({help_})"
     forms = {
         r'expected "command" to be one of .*but it was not provided\.?': lambda m: "no command given; pass one of "
         f"{', '.join(COMMANDS)} ({help_})",

@@ -424,6 +424,7 @@ def test_main_in_process_leaves_the_callers_sigterm_handler(tw):
     (["convert", "--data.seq_len", "1"], r"--data.seq_len=1 is out of range \(must be >= 2\)"),
     (["damage", "--sets", "[5,17]"], r"--sets '5' is not a string \(in a list, an item holding a comma .*\"5,17\""),
     (["damage", "--windows=[5:30]"], r"--windows '330' is not a string \(in a list, an item holding a comma"),
+    (["damage", "--sets", "5"], r"--sets '5' is not a list, written '\[\"a\", \"b\"\]'"),
 ])
 def test_a_mistaken_value_names_the_option_and_the_form(tw, argv, message):
     """--device gpu was torch's list of 20 device types; an empty --data.source read the current directory as the
