@@ -209,6 +209,9 @@ def run_report(args: ReportArgs) -> str:
     if wrong:
         raise ValueError(f"{path} is not a results file as `record` writes it ({'; '.join(wrong)}): it is damaged; "
                          "run the command that wrote it again")
+    if missing := [k for k in ("commit", "dirty") if k not in result]:  # what every results file records
+        raise ValueError(f"{path} is not a results file as `record` writes it (no {', '.join(missing)}); pass a results "
+                         "JSON written by a subcommand or benchmark")
     try:
         text = render(result, title=path.stem)
     except RecursionError:  # a results file is a few levels deep

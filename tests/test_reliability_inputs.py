@@ -440,6 +440,13 @@ def test_a_report_that_is_not_text_is_named(tw, tmp_path):
     fails(main("report", "--file", binary), rf"{binary} is not text")
 
 
+def test_a_json_that_is_no_results_file_is_refused_by_report(tw, tmp_path):
+    """`report --file` rendered any JSON object ({"foo": 1}) as a results table."""
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"foo": 1}))
+    fails(main("report", "--file", other), rf"{other} is not a results file .*\(no commit, dirty\)")
+
+
 def test_a_distill_run_given_for_its_model_names_model(tw, tmp_path):
     """`eval --model RUN` (and export, distill --student) said "no config.json; pass the output of convert"."""
     root, teacher, corpus, hybrid = tw
