@@ -149,7 +149,7 @@ def _guess(option: str, name: str | None) -> str:
 
 
 def _of_strings(option: str, name: str | None) -> bool:
-    """Whether --option of command `name` takes a list of strings (its items are quoted in the list's form)."""
+    """Whether an option of command `name` takes a list of strings (its items are quoted in the list's form)."""
     action = _subparser(name)._option_string_actions.get(f"--{option}")
     return typing.get_args(getattr(action, "_typehint", None)) == (str,)  # jsonargparse's record of the type
 
