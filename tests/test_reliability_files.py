@@ -1,7 +1,8 @@
-"""Reliability, third round (issue 40 re-checked with inputs of another sweep), through the CLI: each case the sweep
-found ends with exit 2 and one line naming the file or option and the fix (or, for the token cache, never writes into
-an input), and the user's directories hash the same before and after. Refusals that come before any model is loaded
-call the CLI's `main` in this process; a pipe that would block a reader runs in a subprocess with a deadline."""
+"""Files of ours and the user's that are damaged, odd or in the way, through the CLI (results files, model
+directories, checkpoint state, token counts, tokenizer files, pipes, the token cache, seeds): each ends with exit 2
+and one line naming the file or option and the fix (or, for the token cache, never writes into an input), and the
+user's directories hash the same before and after. Refusals that come before any model is loaded call the CLI's
+`main` in this process; a pipe that would block a reader runs in a subprocess with a deadline."""
 import json
 import os
 import shutil

@@ -1,4 +1,4 @@
-"""Reliability, round 7 (issue 40), through the CLI: parse errors of every kind, transformers' own multi-line errors,
+"""Messages, through the CLI: parse errors of every kind, transformers' own multi-line errors,
 and too-deep or wrong-shape JSON in our own files each end with exit 2 and one line naming the option or file and the
 fix; the user's directories hash the same before and after. Refusals before any model is loaded call the CLI's `main`
 in this process; runs that load models are real processes."""
