@@ -65,6 +65,34 @@ from taylor_calibrate.training import Clock, autocast, batch_indices, wsd
 log = logging.getLogger("taylor_calibrate")
 
 
+TUNED_RMS = 0.1925
+"""RMS of the attention projections (q, k, v, o weights; mean over layers) of the teacher phase 2's learning rates
+were tuned on, SmolLM2-135M (docs/decisions.md, "Learning rates across teachers")."""
+
+
+def teacher_lr_scale(model) -> float:
+    """Phase 2's learning-rate factor for teacher `model`: the RMS of its attention projections against TUNED_RMS, to
+    two digits (the rates were tuned on grids far coarser). AdamW steps every weight by about its rate whatever the
+    weight's size, so projections 5x smaller need 5x smaller rates for the same relative step."""
+    rms = [getattr(layer.self_attn, name).weight.detach().float().pow(2).mean().sqrt()
+           for layer in model.model.layers for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    return round(float(torch.stack(rms).mean()) / TUNED_RMS, 2)
+
+
+def resolve_lr_scale(args: AlignArgs, model) -> AlignArgs:
+    """`args` with --phase2.lr_scale None resolved from teacher `model` (logged), in place."""
+    if args.lr_scale is None:
+        args.lr_scale = teacher_lr_scale(model)
+        log.info("phase 2 learning rates x%g: the teacher's attention projections against those they were tuned on "
+                 "(--phase2.lr_scale sets it)", args.lr_scale)
+    return args
+
+
+def scale_of(args: AlignArgs) -> float:
+    """--phase2.lr_scale, 1 where nothing resolved it (a caller without a teacher)."""
+    return 1.0 if args.lr_scale is None else args.lr_scale
+
+
 def lr_factor(step: int, args: AlignArgs) -> float:
     """Multiplier of the base learning rates for optimizer step `step` (1-based)."""
     if args.schedule == "constant":
@@ -142,7 +170,7 @@ def align_layers(mixers: dict[int, nn.Module], inputs: dict[int, Tensor], target
 
         {"layers": {l: {"rel_mse_before", "rel_mse_after", "best_step", "diverged_at", "best_eval_rel_mse",
                         "best_train_loss", "best_train_step", "trained_params"}},
-         "mean_rel_mse_before", "mean_rel_mse_after", "wall_s", "train_s", "steps", "layer_group",
+         "mean_rel_mse_before", "mean_rel_mse_after", "wall_s", "train_s", "steps", "lr_scale", "layer_group",
          "tokens_per_step", "eval_rows"}
 
     Mixers stay where they are (device); stored rows may live elsewhere (e.g. CPU) and move a batch at a time.
@@ -215,6 +243,7 @@ def align_layers(mixers: dict[int, nn.Module], inputs: dict[int, Tensor], target
         "wall_s": time.perf_counter() - t_start,
         "train_s": clock.elapsed(),
         "steps": args.steps,
+        "lr_scale": scale_of(args),
         "layer_group": train.group,
         "tokens_per_step": batch * seq,
         "eval_rows": n_eval,
@@ -414,6 +443,7 @@ class _Training:
                        for i in range(0, len(part), self.group)]
         lrs = {"new": args.lr, "qkv": args.lr_qkv, "o_proj": args.lr_o, "o_norm": args.lr,
                "dynamics": args.lr if args.lr_dynamics is None else args.lr_dynamics}
+        lrs = {g: lr * scale_of(args) for g, lr in lrs.items()}
         groups = {g: [t for st in self.stacks for n, t in st.trained().items() if _group_of(st.mixer, n) == g] for g in lrs}
         groups = {g: ps for g, ps in groups.items() if ps}
         self.base_lrs = [lrs[g] for g in groups]
@@ -548,6 +578,7 @@ def fit_module(module: nn.Module, groups: list[dict], step_loss, evaluate, args:
     `log_every` steps and at the end; the best evaluated state is restored, so a module never ends worse than it
     started (a non-finite evaluation stops the fit). Returns (evaluation before, the best evaluation's step: 0 when
     nothing improved); the module's parameters are left frozen."""
+    groups = [{**g, "lr": g["lr"] * scale_of(args)} for g in groups]
     groups = [{**g, "base_lr": g["lr"]} for g in groups]
     trained = [p for g in groups for p in g["params"]]
     for p in module.parameters():

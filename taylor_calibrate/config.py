@@ -101,6 +101,10 @@ class AlignArgs:
     lr_dynamics: float | None = 3e-2
     """Learning rate of the decay and write-gate parameters (A_log, dt_bias, a_proj, b_proj), which phase 1 sets
     from the teacher's attention statistics: None = `lr`; 0 = frozen, so alignment keeps phase 1's dynamics."""
+    lr_scale: float | None = None
+    """Factor on every learning rate above. None: from the teacher, the RMS of its attention projections against
+    that of the teacher the rates were tuned on (`align.teacher_lr_scale`): AdamW steps each weight by about its
+    rate whatever the weight's size, so a teacher with smaller weights needs smaller rates."""
     weight_decay: float = 0.01
     """AdamW weight decay, on every trained parameter (as the reference)."""
     grad_clip: float = 1.0
@@ -156,6 +160,8 @@ class AlignArgs:
             raise ValueError(f"--phase2.lr_qkv={self.lr_qkv} must be >= 0 or None (from --profile)")
         if self.lr_dynamics is not None and self.lr_dynamics < 0:
             raise ValueError(f"--phase2.lr_dynamics={self.lr_dynamics} must be >= 0 or None")
+        if self.lr_scale is not None and not self.lr_scale > 0:
+            raise ValueError(f"--phase2.lr_scale={self.lr_scale} must be > 0, or None (from the teacher)")
 
 
 @dataclass

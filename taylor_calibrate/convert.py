@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from taylor_calibrate.align import align_attention, align_layers, realign_kept, roped
+from taylor_calibrate.align import align_attention, align_layers, realign_kept, resolve_lr_scale, roped
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.checkpoint import REPORT, check_finite, staged_dir
 from taylor_calibrate.checks import check_context, writes_out
@@ -278,6 +278,8 @@ def convert(args: ConvertArgs, teacher: Teacher, rt: Runtime, clock: Clock | Non
         raise ValueError(f"the teacher is on {on} but device={args.device!r} resolves to {rt.device}; move it first")
     n, kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     args, auto = resolve_args(args, cfg, rt.device.type)
+    if args.align:
+        resolve_lr_scale(args.phase2, teacher.model)
     context = default_context(cfg, args.context)
     max_pos = getattr(cfg, "max_position_embeddings", None)
     if max_pos and context > max_pos:

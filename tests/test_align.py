@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from taylor_calibrate import GDNConfig, convert_teacher
-from taylor_calibrate.align import AlignArgs, align_layers, batch_indices, lr_factor, rel_mse
+from taylor_calibrate.align import (AlignArgs, TUNED_RMS, align_layers, batch_indices, lr_factor, rel_mse,
+                                    resolve_lr_scale, teacher_lr_scale)
 from conftest import tiny_teacher
 
 LAYERS = (1, 2)
@@ -100,6 +101,39 @@ def test_train_o_proj_and_o_norm_switches(teacher_data):
     align_layers(mixers, inputs, targets, AlignArgs(**SHORT, train_o_proj=False))
     assert torch.equal(mixers[1].get_parameter("o_proj.weight"), before["o_proj.weight"])
     assert not torch.equal(mixers[1].get_parameter("q_proj.weight"), before["q_proj.weight"])
+
+
+def test_lr_scale_multiplies_every_rate(teacher_data):
+    """--phase2.lr_scale 0.5 trains exactly as every rate (new, q/k/v, o_proj, dynamics) halved by hand."""
+    teacher, inputs, targets = teacher_data
+    rates = dict(lr=1e-2, lr_qkv=1e-3, lr_o=3e-3, lr_dynamics=3e-2)
+    scaled, halved = fresh_mixers(teacher), fresh_mixers(teacher)
+    align_layers(scaled, inputs, targets, AlignArgs(**{**SHORT, **rates, "lr_scale": 0.5}))
+    align_layers(halved, inputs, targets, AlignArgs(**{**SHORT, **{k: v / 2 for k, v in rates.items()}}))
+    full = fresh_mixers(teacher)
+    align_layers(full, inputs, targets, AlignArgs(**{**SHORT, **rates}))
+    for l in LAYERS:
+        for (n, a), b, c in zip(scaled[l].named_parameters(), halved[l].parameters(), full[l].parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-7, msg=n)
+        assert not torch.equal(scaled[l].q_proj.weight, full[l].q_proj.weight)
+    with pytest.raises(ValueError, match="lr_scale"):
+        AlignArgs(lr_scale=0.0)
+
+
+def test_lr_scale_follows_the_size_of_the_teachers_attention_weights():
+    """The factor is the RMS of q/k/v/o against TUNED_RMS: projections twice as large give twice the factor; a set
+    --phase2.lr_scale is kept."""
+    teacher = tiny_teacher("llama")
+    rms = torch.stack([getattr(layer.self_attn, n).weight.pow(2).mean().sqrt() for layer in teacher.model.layers
+                       for n in ("q_proj", "k_proj", "v_proj", "o_proj")]).mean().item()
+    assert teacher_lr_scale(teacher) == round(rms / TUNED_RMS, 2)
+    with torch.no_grad():
+        for layer in teacher.model.layers:
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer.self_attn, n).weight.mul_(20)
+    assert teacher_lr_scale(teacher) == round(20 * rms / TUNED_RMS, 2)
+    assert resolve_lr_scale(AlignArgs(), teacher).lr_scale == teacher_lr_scale(teacher)
+    assert resolve_lr_scale(AlignArgs(lr_scale=0.3), teacher).lr_scale == 0.3
 
 
 DYNAMICS = ("A_log", "dt_bias", "a_proj.weight", "b_proj.weight")

@@ -36,6 +36,7 @@ def test_convert_report(converted):
                 "commit", "dirty", "command", "args", "env"):  # the results recorder's provenance
         assert key in report
     assert report["args"]["data"]["calib_seqs"] == 2 and report["args"]["phase2"]["batch_size"] == 2  # profile-filled
+    assert report["args"]["phase2"]["lr_scale"] == 1.0  # resolved from the teacher: the one the rates were tuned on
     assert report["policy"] == "heads" and report["policy_auto"]  # the default: the teacher's retrieval heads
     kv = 30 * 3  # SmolLM2: 30 layers x 3 KV groups; --keep_every 4 keeps ceil(kv / 4) groups
     kept = 3 * len(report["kept_layers"]) + sum(map(len, report["headwise_kept_groups"].values()))

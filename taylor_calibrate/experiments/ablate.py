@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from taylor_calibrate.checks import writes_out
-from taylor_calibrate.align import align_layers
+from taylor_calibrate.align import align_layers, resolve_lr_scale
 from taylor_calibrate.calibrate import calibrated_mixers
 from taylor_calibrate.config import INITS, AblateArgs, AlignArgs, apply_profile
 from taylor_calibrate.data import load_splits
@@ -63,6 +63,7 @@ class TeacherPass:
     def align(self, mixers: dict, args: AlignArgs, inputs: dict | None = None) -> dict:
         """Phase 2 on `mixers` (in place), from the stored teacher inputs (or `inputs`) to the teacher's targets; with
         `args.far_weight`, positions weighted as convert weighs them (the pass must have run with `store_far`)."""
+        args = resolve_lr_scale(replace(args), self.model)
         inputs = {i: self.stats.inputs[i] for i in mixers} if inputs is None else inputs
         weights = far_weights(self.model, self.stats, mixers, args.far_weight) if args.far_weight else None
         return align_layers(mixers, inputs, {i: self.targets[i] for i in mixers}, args, weights=weights)
