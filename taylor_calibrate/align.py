@@ -578,8 +578,7 @@ def fit_module(module: nn.Module, groups: list[dict], step_loss, evaluate, args:
     `log_every` steps and at the end; the best evaluated state is restored, so a module never ends worse than it
     started (a non-finite evaluation stops the fit). Returns (evaluation before, the best evaluation's step: 0 when
     nothing improved); the module's parameters are left frozen."""
-    groups = [{**g, "lr": g["lr"] * scale_of(args)} for g in groups]
-    groups = [{**g, "base_lr": g["lr"]} for g in groups]
+    groups = [{**g, "lr": g["lr"] * scale_of(args), "base_lr": g["lr"] * scale_of(args)} for g in groups]
     trained = [p for g in groups for p in g["params"]]
     for p in module.parameters():
         p.requires_grad_(False)
