@@ -58,10 +58,9 @@ def main():
             row = {"calib_seqs": calib_seqs, "init": init,
                    "phase1_calib": mean_rel_mse(mixers, train), "phase1_heldout": mean_rel_mse(mixers, held)}
             rep = train.align(mixers, fill_align(AlignArgs(lr_scale=scale), a.profile))
+            by_layer = {i: rel_mse(m, held.stats.inputs[i], held.targets[i]) for i, m in mixers.items()}
             row.update(lr_scale=rep["lr_scale"], aligned_calib=mean_rel_mse(mixers, train),
-                       aligned_heldout=mean_rel_mse(mixers, held),
-                       aligned_heldout_by_layer={i: rel_mse(m, held.stats.inputs[i], held.targets[i])
-                                                 for i, m in mixers.items()},
+                       aligned_heldout=sum(by_layer.values()) / len(by_layer), aligned_heldout_by_layer=by_layer,
                        aligned_ppl=train.perplexity(mixers, splits.heldout))
             rows.append(row)
             print(json.dumps(row), flush=True)
