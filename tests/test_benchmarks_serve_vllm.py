@@ -70,8 +70,9 @@ def test_grid_cells_and_agreement():
     mod = load_benchmark("serve_vllm")
     assert mod.cells("4096x1,8000x32") == [(4096, 1), (8000, 32)]
     for bad in ("4096", "4096x0", "ax1", "4096x1x2"):
-        with pytest.raises(SystemExit, match="PROMPTxSEQUENCES"):
+        with pytest.raises(SystemExit, match="CONTEXTxSEQUENCES"):
             mod.cells(bad)
+    assert mod.cells("131072x0", allow_max=True) == [(131072, 0)]
     got = mod.agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
     assert got["fraction"] == 7 / 8 and got["identical_prompts"] == 1
     assert [p["first_divergence"] for p in got["prompts"]] == [2, None]
