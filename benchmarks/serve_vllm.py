@@ -504,8 +504,7 @@ def grid_rows(a, grid, parts: dict, models: dict, bandwidth: float | None) -> li
         row = {"context": ctx, "parallel": seqs or "max"}
         for name, part in parts.items():
             r = (part.get("grid") or {}).get(cell) or {"error": part.get("error") or "not run"}
-            key = "hybrid" if name.startswith("hybrid") else "teacher"
-            col = name if name != "hybrid" else "hybrid"
+            key, col = ("hybrid" if name.startswith("hybrid") else "teacher"), name  # a column per engine part
             n = r.get("sequences", seqs)
             for k in ("decode_tok_s", "prefill_tok_s", "decode_ms_per_step"):
                 row[f"{col}_{k}"] = r.get(k)
