@@ -77,3 +77,83 @@ def test_grid_cells_and_agreement():
     assert got["fraction"] == 7 / 8 and got["identical_prompts"] == 1
     assert [p["first_divergence"] for p in got["prompts"]] == [2, None]
     assert mod.agreement([[1, 2]], [[1, 2, 3]])["prompts"][0]["first_divergence"] == 2  # a short continuation
+
+
+class FakeEngine:
+    """vLLM's LLMEngine as `stepped` drives it, with chunked prefill: each step decodes one token for every sequence
+    past its prefill, then prefills the waiting ones in order within the step's token budget; a sequence whose
+    prefill ends in a step gets its first token there. Records how many sequences decoded in each step."""
+
+    def __init__(self, chunk):
+        from types import SimpleNamespace
+
+        self.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=chunk))
+        self.reqs, self.decoded, self.aborted, self.profiled = {}, [], [], []
+
+    def add_request(self, rid, prompt, params):
+        self.reqs[rid] = {"left": len(prompt["prompt_token_ids"]), "tokens": [], "max": params.max_tokens}
+
+    def has_unfinished_requests(self):
+        return bool(self.reqs)
+
+    def abort_request(self, ids):
+        self.aborted += ids
+        for i in ids:
+            self.reqs.pop(i, None)
+
+    def start_profile(self):
+        self.profiled.append(("start", len(self.decoded)))
+
+    def stop_profile(self):
+        self.profiled.append(("stop", len(self.decoded)))
+
+    def step(self):
+        from types import SimpleNamespace
+
+        budget, out, n = self.vllm_config.scheduler_config.max_num_batched_tokens, [], 0
+        for rid, r in self.reqs.items():
+            if r["left"] == 0:
+                r["tokens"].append(1)
+                budget -= 1
+                n += 1
+                out.append(rid)
+        for rid, r in self.reqs.items():
+            if r["left"] and budget > 0:
+                took = min(budget, r["left"])
+                r["left"] -= took
+                budget -= took
+                if r["left"] == 0:
+                    r["tokens"].append(1)
+                    out.append(rid)
+        self.decoded.append(n)
+        res = [SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(token_ids=list(self.reqs[rid]["tokens"]))])
+               for rid in out]
+        for rid in [rid for rid, r in self.reqs.items() if len(r["tokens"]) >= r["max"]]:
+            del self.reqs[rid]
+        return res
+
+
+def test_stepped_times_decode_only_over_steps_that_run_every_sequence(monkeypatch):
+    """A batch whose prefill takes many chunks: the first sequences decode while the last prefill, yet every one is
+    still running when the last prefill ends, and the timed window is `gen` intervals of steps in which all of them
+    decoded; then the rest is aborted. The profiled steps lie inside that window."""
+    from types import ModuleType, SimpleNamespace
+
+    fake = ModuleType("vllm")
+    fake.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    inputs = ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    mod = load_benchmark("serve_vllm")
+    engine = FakeEngine(chunk=1000)
+    prompts = [[0] * 2500 for _ in range(6)]  # 15 prefill steps for the batch; the first sequence ends in step 3
+    gen = 16
+    res = mod.stepped(SimpleNamespace(llm_engine=engine), prompts, gen, profile_steps=4)
+    assert res["decode_steps"] == gen and res["generated_per_sequence"] == 1 + gen + 15 + 8
+    assert res["decode_tok_s"] > 0 and res["prefill_tok_s"] > 0
+    assert len(engine.aborted) == 6 and not engine.reqs
+    window = engine.decoded[-(gen + 1):]  # the steps timed: the last ones before the abort
+    assert window == [6] * (gen + 1)
+    assert [k for k, _ in engine.profiled] == ["start", "stop"]
+    assert len(engine.decoded) - gen - 1 < engine.profiled[0][1] < engine.profiled[1][1] <= len(engine.decoded)
