@@ -303,9 +303,31 @@ def check_tokenizer_files(where: str, kw: dict) -> None:
                                 f"{', '.join(_TOKENIZER_FILES)}); copy them from the original checkpoint")
 
 
+def without_foreign_tokens(tokenizer):
+    """`tokenizer` less the added tokens that are not in its BPE vocabulary and lie past it. transformers builds a
+    GGUF's byte-level vocabulary as a GPT-2 tokenizer, whose default special token `<|endoftext|>` is added when the
+    vocabulary lacks it (Llama 3's): one id past the teacher's embedding, so the tokenizer would no longer be the
+    teacher's (and convert refuses it as another model's)."""
+    from tokenizers import Tokenizer
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = (state.get("model") or {}).get("vocab")
+    if (state.get("model") or {}).get("type") != "BPE" or not isinstance(vocab, dict):
+        return tokenizer
+    foreign = [t for t in state.get("added_tokens", []) if t["id"] >= len(vocab) and t["content"] not in vocab]
+    if foreign:
+        state["added_tokens"] = [t for t in state["added_tokens"] if t not in foreign]
+        tokenizer._tokenizer = Tokenizer.from_str(json.dumps(state))
+        log.info("tokenizer: dropped %s, added by transformers' GGUF reader past the vocabulary",
+                 ", ".join(t["content"] for t in foreign))
+    return tokenizer
+
+
 def _tokenizer(where: str, kw: dict):
     tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False, **kw)
-    return with_gguf_split(tokenizer, Path(where) / kw["gguf_file"]) if "gguf_file" in kw else tokenizer
+    if "gguf_file" not in kw:
+        return tokenizer
+    return with_gguf_split(without_foreign_tokens(tokenizer), Path(where) / kw["gguf_file"])
 
 
 def load_tokenizer(spec: str = DEFAULT_TEACHER):

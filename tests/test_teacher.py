@@ -282,3 +282,41 @@ def test_a_device_this_package_does_not_run_on_is_refused():
     for device in ("gpu", "mps", "meta", "cuda:x"):
         with pytest.raises(ValueError, match="use auto, cpu, cuda or cuda:N"):
             resolve_device(device)
+
+
+def test_gguf_tokenizer_gets_no_token_past_its_vocabulary():
+    """transformers reads a GGUF's byte-level vocabulary into a GPT-2 tokenizer, whose default `<|endoftext|>` is added
+    when the vocabulary lacks it (Llama 3's), one id past the teacher's embedding: `without_foreign_tokens` drops it and
+    leaves every id of the vocabulary's own tokens as it was; a vocabulary that holds the token keeps it."""
+    from transformers import GPT2Tokenizer
+
+    from taylor_calibrate.teacher import without_foreign_tokens
+
+    alphabet = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "<|begin|>"]
+    merges = [("h", "e"), ("l", "l"), ("he", "ll")]
+    vocab = {t: i for i, t in enumerate(alphabet + ["he", "ll", "hell"])}
+    tok = GPT2Tokenizer(vocab=dict(vocab), merges=list(merges))  # as transformers' GGUF reader builds it
+    assert len(tok) == len(vocab) + 1 and tok.convert_tokens_to_ids("<|endoftext|>") == len(vocab)
+    before = tok("hello world", add_special_tokens=False).input_ids
+    tok = without_foreign_tokens(tok)
+    assert len(tok) == len(vocab) and max(tok("hello <|endoftext|> world").input_ids) < len(vocab)
+    assert tok("hello world", add_special_tokens=False).input_ids == before
+    held = GPT2Tokenizer(vocab={**vocab, "<|endoftext|>": len(vocab)}, merges=list(merges))
+    assert len(without_foreign_tokens(held)) == len(vocab) + 1
+
+
+def test_real_llama3_gguf_vocabulary_is_its_size():
+    """Llama 3's vocabulary as llama.cpp ships it ($LLAMA_CPP_VOCABS): the tokenizer a GGUF teacher gets has exactly
+    the file's 128256 tokens, the rows of the model's embedding."""
+    import os
+
+    import gguf
+
+    from taylor_calibrate.teacher import load_tokenizer
+
+    folder = os.environ.get("LLAMA_CPP_VOCABS")
+    if not folder:
+        pytest.skip("$LLAMA_CPP_VOCABS (llama.cpp's models/ folder, with ggml-vocab-*.gguf) is not set")
+    vocab = Path(folder) / "ggml-vocab-llama-bpe.gguf"
+    n = len(gguf.GGUFReader(str(vocab)).fields["tokenizer.ggml.tokens"].data)
+    assert n == 128256 and len(load_tokenizer(str(vocab))) == n
