@@ -29,6 +29,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+def _llama3(factor: float, **size) -> dict:
+    """A Llama 3 config: the family's fields (vocabulary, GQA of 32 / 8 heads, llama3 RoPE scaling, token ids) and
+    the size's."""
+    return dict(num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=factor, high_freq_factor=4.0,
+                                                       low_freq_factor=1.0, original_max_position_embeddings=8192),
+                rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, **size)
+
+
 # The public checkpoints' config.json fields that set a model's cost (weights are random): Qwen2.5-1.5B,
 # Llama-3.2-1B, Llama-3.1-8B. Token ids are the checkpoints' own.
 DEPLOYED = {
@@ -37,18 +46,12 @@ DEPLOYED = {
         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=131072, rope_theta=1000000.0,
         rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False, sliding_window=None,
         max_window_layers=21, bos_token_id=151643, eos_token_id=151643)),
-    "llama-3.2-1b": ("llama", "llama-bpe", dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
-        rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=32.0, high_freq_factor=4.0,
-                                               low_freq_factor=1.0, original_max_position_embeddings=8192),
-        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001)),
-    "llama-3.1-8b": ("llama", "llama-bpe", dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
-        rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, high_freq_factor=4.0,
-                                               low_freq_factor=1.0, original_max_position_embeddings=8192),
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)),
+    "llama-3.2-1b": ("llama", "llama-bpe", _llama3(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64, factor=32.0,
+        tie_word_embeddings=True)),
+    "llama-3.1-8b": ("llama", "llama-bpe", _llama3(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128, factor=8.0,
+        tie_word_embeddings=False)),
 }
 
 
