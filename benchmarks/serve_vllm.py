@@ -442,15 +442,24 @@ def last_error_line(log: str) -> str:
 
 
 def run_model(a, name: str, model_dir: str, spec: dict, work: Path, plugin: Path) -> dict:
-    """The `engine` step for one model in its own process (reused when an earlier run of the same spec finished)."""
-    key = hashlib.sha256(json.dumps([model_dir, spec], sort_keys=True).encode()).hexdigest()[:16]
+    """The `engine` step for one model in its own process. An earlier call's part with the same model and settings
+    keeps its finished cells (and its profile): only the cells it lacks run, so a long grid spans several calls."""
+    key = hashlib.sha256(json.dumps([model_dir, part_settings(spec)], sort_keys=True).encode()).hexdigest()[:16]
     part, spec_file, log = work / f"engine_{name}.json", work / f"engine_{name}_spec.json", work / f"engine_{name}.log"
+    kept, kept_profile = {}, None
     if part.exists() and a.reuse:
         done = json.loads(part.read_text())
-        if done.get("key") == key and "error" not in done and len(done.get("grid", {})) == len(spec["grid"]):
+        if done.get("key") == key:
+            kept = {c: r for c, r in (done.get("grid") or {}).items() if "error" not in r or "capacity" in r}
+            if done.get("profile") and not spec.get("profile_cell"):
+                kept_profile = done["profile"]
+        todo = [(c, b) for c, b in spec["grid"] if f"{c}x{b}" not in kept]
+        if kept and not todo and "error" not in done and not spec.get("greedy_prompts"):
             print(f"[run] {name}: reusing {part}", flush=True)
             return done
+        spec = {**spec, "grid": todo}
     part.unlink(missing_ok=True)
+    log = log.with_name(f"engine_{name}_{time.strftime('%Y%m%d-%H%M%S')}.log")
     spec_file.write_text(json.dumps(spec))
     cmd = [sys.executable, str(Path(__file__).resolve()), "engine", "--name", name, "--model", model_dir,
            "--spec", str(spec_file), "--out", str(part), "--log", str(log)]
@@ -464,6 +473,7 @@ def run_model(a, name: str, model_dir: str, spec: dict, work: Path, plugin: Path
     text = log.read_text(errors="replace")
     done = json.loads(part.read_text()) if part.exists() else {}
     done.update(key=key, seconds=time.perf_counter() - t, rc=rc, log=log.name)
+    done["grid"] = {**kept, **(done.get("grid") or {})}
     if rc != 0:
         done["error"] = (f"timed out after {a.engine_timeout:.0f} s" if rc == "timeout" else last_error_line(text))
         done["log_tail"] = text[-3000:]
@@ -473,8 +483,17 @@ def run_model(a, name: str, model_dir: str, spec: dict, work: Path, plugin: Path
             done["profile"] = profile_summary(work / f"profile_{name}")
         except Exception as e:  # a trace that does not parse: the figures stand without it
             done["profile"] = {"error": f"{type(e).__name__}: {e}"}
+    elif kept_profile:
+        done["profile"] = kept_profile
     part.write_text(json.dumps(done, indent=1))
     return done
+
+
+def part_settings(spec: dict) -> dict:
+    """What makes two calls' cells of one model comparable: the spec less its grid, prompts and profiler window."""
+    llm = {k: v for k, v in spec["llm"].items() if k != "profiler_config"}
+    return {**{k: v for k, v in spec.items() if k not in ("grid", "greedy_prompts", "profile_cell", "profile_steps")},
+            "llm": llm}
 
 
 def versions() -> dict:
@@ -607,7 +626,12 @@ def run_run(a) -> None:
     result["settings"] = {n: {k: e.get(k) for k in ("settings", "resolved", "capacity", "load_s", "seconds", "error",
                                                      "log")} for n, e in parts.items()}
     result["profile"] = {n: e["profile"] for n, e in parts.items() if e.get("profile")}
-    result["grid"] = grid_rows(a, grid, parts, models, bandwidth) if "throughput" in a.parts else []
+    if "throughput" in a.parts:  # this call's cells and every earlier call's, in order of context then batch
+        done = {tuple(map(int, c.split("x"))) for e in parts.values() for c in (e.get("grid") or {})}
+        every = sorted(set(grid) | done, key=lambda c: (c[0], c[1] == 0, c[1]))
+        result["grid"] = grid_rows(a, every, parts, models, bandwidth)
+    else:
+        result["grid"] = []
     save()
     print(json.dumps({k: result.get(k) for k in ("versions", "greedy_agreement", "copy_bandwidth_bytes_s")},
                      indent=1, default=str)[:4000])

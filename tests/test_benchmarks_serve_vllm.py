@@ -157,3 +157,32 @@ def test_stepped_times_decode_only_over_steps_that_run_every_sequence(monkeypatc
     assert window == [6] * (gen + 1)
     assert [k for k, _ in engine.profiled] == ["start", "stop"]
     assert len(engine.decoded) - gen - 1 < engine.profiled[0][1] < engine.profiled[1][1] <= len(engine.decoded)
+
+
+def test_a_later_call_runs_only_the_cells_an_earlier_one_lacks(tmp_path, monkeypatch):
+    """One model's grid spans calls: a second call with the same settings runs only its new cells and keeps the
+    first call's; other settings run every cell again."""
+    from types import SimpleNamespace
+
+    mod = load_benchmark("serve_vllm")
+    ran = []
+
+    def fake_engine(cmd, stdout, stderr, env, timeout):
+        spec = json.loads(Path(cmd[cmd.index("--spec") + 1]).read_text())
+        ran.append([f"{c}x{b}" for c, b in spec["grid"]])
+        rows = {f"{c}x{b}": {"sequences": b or 3, "decode_tok_s": 1.0} for c, b in spec["grid"]}
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"grid": rows}))
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(mod.subprocess, "run", fake_engine)
+    monkeypatch.setattr(mod, "engine_env", lambda plugin: {})
+    a = SimpleNamespace(reuse=True, engine_timeout=10)
+    spec = {"llm": {"dtype": "bfloat16"}, "grid": [(4096, 1), (4096, 8)], "greedy_prompts": [], "profile_cell": None}
+    mod.run_model(a, "hybrid", "m", spec, tmp_path, tmp_path)
+    second = mod.run_model(a, "hybrid", "m", {**spec, "grid": [(4096, 8), (8192, 0)]}, tmp_path, tmp_path)
+    assert ran == [["4096x1", "4096x8"], ["8192x0"]]
+    assert set(second["grid"]) == {"4096x1", "4096x8", "8192x0"}
+    again = mod.run_model(a, "hybrid", "m", {**spec, "grid": [(4096, 1)]}, tmp_path, tmp_path)
+    assert len(ran) == 2 and set(again["grid"]) == {"4096x1", "4096x8", "8192x0"}
+    other = mod.run_model(a, "hybrid", "m", {**spec, "llm": {"dtype": "float32"}}, tmp_path, tmp_path)
+    assert ran[-1] == ["4096x1", "4096x8"] and set(other["grid"]) == {"4096x1", "4096x8"}
