@@ -81,6 +81,8 @@ def staged_dir(final: str | Path):
     runs (`.<name>.partial-<pid>` of a dead process) are cleared first. What it holds gets the modes the umask says
     (`as_umask`), and a failed write is named (`write_errors`)."""
     final = Path(final)
+    if final.is_symlink():  # a link to the output: the link stays, the directory it leads to is replaced
+        final = final.resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
     for stale in final.parent.glob(f".{final.name}.partial-*"):
         pid = stale.name.rsplit("-", 1)[-1]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from taylor_calibrate.config import TOKEN_CACHE_ENV, token_cache_dir
 from taylor_calibrate.model.loading import parse_json, read_json
-from taylor_calibrate.results import OUTPUTS, file_in_the_way, found, is_output_of, marks
+from taylor_calibrate.results import OUTPUTS, file_in_the_way, found, is_output_of, marks, strays
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -96,6 +96,11 @@ def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs:
         raise FileNotFoundError(f"{flag} {out} is a link to {os.readlink(raw)}, which does not exist; pass a directory "
                                 "path (or create the link's target)")
     path = raw.resolve()
+    here = Path.cwd().resolve()
+    if path == here or path in here.parents:
+        what = "the working directory" if path == here else f"a parent of the working directory {here}"
+        raise ValueError(f"{flag} {out} is {what}: the command's files would land among everything there; pass a new "
+                         f"directory (e.g. {flag} out/run)")
     _check_inputs(path, out, inputs or {}, nested_ok, flag)
     if blocked := file_in_the_way(path):
         where = "is an existing file" if blocked == path else f"lies under {blocked}, which is a file"
@@ -113,9 +118,37 @@ def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs:
                                   f"location (or make {where} writable)") from None
     if lock is not None:
         lock.enter_context(output_lock(path, command, flag))
-    if path.is_dir() and any(path.iterdir()) and not is_output_of(path, command):
-        _check_foreign_out(path, out, command, overwrite, flag)
+    if path.is_dir() and any(path.iterdir()):
+        if command in _REPLACES_OUT:
+            _check_replaced_out(path, out, command, flag)
+        elif not is_output_of(path, command):
+            _check_foreign_out(path, out, command, overwrite, flag)
     return path
+
+
+def _named(entries: list, n: int = 4) -> str:
+    return ", ".join(map(str, entries[:n])) + (f" and {len(entries) - n} more" if len(entries) > n else "")
+
+
+def _odd(path: Path, command: str) -> str:
+    """Why a file that would mark `path` as `command`'s output does not: it is no regular file."""
+    odd = [f.relative_to(path) for n, _ in marks(command) for f in found(path, n) if not f.is_file()]
+    return f"; its {odd[0]} is not a regular file: a directory, pipe, socket or device" if odd else ""
+
+
+def _check_replaced_out(path: Path, out: str, command: str, flag: str) -> None:
+    """A command that replaces --out whole (`convert`, `tokenize`) deletes what the directory held: it may do so only
+    to an earlier output of its own holding nothing it did not write, whatever --overwrite says."""
+    if not is_output_of(path, command):
+        there = sorted(p.name for p in path.iterdir())
+        raise FileExistsError(f"{flag} {out} is a non-empty directory that is not an earlier `{command}` output (it "
+                              f"holds {_named(there)}{_odd(path, command)}); `{command}` replaces its {flag} whole, so "
+                              f"it takes only a new or empty directory or an earlier `{command}` output, whatever "
+                              f"--overwrite says; pass a new or empty directory")
+    if extra := strays(path, command):
+        raise FileExistsError(f"{flag} {out} is an earlier `{command}` output that also holds {_named(extra)}, which "
+                              f"`{command}` did not write and replacing the directory would delete; move "
+                              f"{'it' if len(extra) == 1 else 'them'} away or pass another {flag}")
 
 
 def _check_foreign_out(path: Path, out: str, command: str, overwrite: bool | None, flag: str) -> None:
@@ -124,14 +157,10 @@ def _check_foreign_out(path: Path, out: str, command: str, overwrite: bool | Non
     hold parts of two runs: a distill report beside the convert's model, read back as one), nor over a file or folder
     of the user's with a name it writes (`OUTPUTS`: a report.json, a damage.md, a model/ of theirs)."""
     if not overwrite:
-        fix = ("(it is never overwritten)" if overwrite is None else "or --overwrite true to replace its contents"
-               if command in _REPLACES_OUT else "or --overwrite true to write into it anyway")
-        odd = [f.relative_to(path) for n, _ in marks(command) for f in found(path, n) if not f.is_file()]
-        why = f" (its {odd[0]} is not a regular file: a directory, pipe, socket or device)" if odd else ""
+        fix = "(it is never overwritten)" if overwrite is None else "or --overwrite true to write into it anyway"
+        why = f" ({_odd(path, command).removeprefix('; ')})" if _odd(path, command) else ""
         raise FileExistsError(f"{flag} {out} is a non-empty directory that is not an earlier `{command}` output{why}; "
                               f"pass a new or empty directory {fix}")
-    if command in _REPLACES_OUT:
-        return
     other = next((c for c in OUTPUTS if c != command and is_output_of(path, c)), None)
     if other:
         raise FileExistsError(f"{flag} {out} holds an earlier `{other}` output, and `{command}` would write its files "

@@ -9,6 +9,7 @@ import copy
 import logging
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
+from typing import ClassVar
 import os
 from pathlib import Path
 
@@ -36,6 +37,9 @@ SCHEDULES = ("wsd", "constant")
 class CalibArgs:
     """Phase 1 options. `taylor` drops the attention sink's mass from d_h and c_h and normalises c_h absolutely; `paper`
     keeps the reference's choices (sink counted, c_h min-max over the layer's heads)."""
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+        "gate_alpha": "[0, inf)", "sigma_rows": "[1, inf)", "fit_rows": "[1, inf)", "beta_min": "(0, 1)",
+        "beta_span": "[0, 1)"}
 
     decay: bool = True
     """Set the decay from the mean attention distance d_h (half-life d_h tokens)."""
@@ -77,6 +81,11 @@ class CalibArgs:
 class AlignArgs:
     """Phase 2 (docs/method.md, "Phase 2: alignment"): per-layer alignment of each GDN mixer to the teacher's attention
     output."""
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+        "steps": "[0, inf)", "batch_size": "[1, inf)", "seq_len": "[2, inf)", "lr": "[0, inf)", "lr_qkv": "[0, inf)",
+        "lr_o": "[0, inf)", "lr_dynamics": "[0, inf)", "lr_scale": "(0, inf)", "weight_decay": "[0, inf)",
+        "decay_fraction": "[0, 1]", "sink_weight": "[0, inf)", "far_weight": "[0, inf)", "layer_group": "[1, inf)",
+        "log_every": "[1, inf)"}
 
     steps: int | None = None
     """Optimizer steps per layer (None: from --profile). More steps lower the perplexity further but shrink phase 1's
@@ -167,6 +176,8 @@ class AlignArgs:
 @dataclass
 class CorpusSpec:
     """Where the text comes from and how much of it is held out."""
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+        "heldout_fraction": "(0, 1)"}
 
     source: str = "builtin"
     """"builtin" (Python stdlib source), "pysrc" (the stdlib and the source files every installed package ships:
@@ -194,6 +205,8 @@ class CorpusSpec:
 @dataclass
 class DataArgs(CorpusSpec):
     """Which text to calibrate on and which to evaluate on (never overlapping documents)."""
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+        "seq_len": "[2, inf)", "calib_seqs": "[1, inf)", "eval_seqs": "[1, inf)"}
 
     seq_len: int | None = None
     """Tokens per sequence, for calibration and evaluation (None: from --profile)."""
@@ -243,6 +256,8 @@ def _fill(args, values: dict) -> None:
 class NiahArgs:
     """Needle-in-a-haystack options of the commands that score retrieval by generation (eval, recovery, tradeoff);
     their flags stay flat (--niah_tasks, ...)."""
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+        "niah_samples": "[1, inf)", "niah_new_tokens": "[1, inf)"}
 
     niah_tasks: list[str] = field(default_factory=lambda: list(NIAH_TASKS))
     """NIAH tasks: "single" (one magic-number needle in prose), "multikey" (four, one asked), "passkey"."""
@@ -283,6 +298,9 @@ def check_batch(eval_batch_size: int) -> None:
 @dataclass
 class PipelineArgs:
     """What every stage that builds hybrids shares: the teacher, the GDN layer, phase 1 and 2, data, hardware."""
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+        "keep_every": "[1, inf)", "kv_budget": "(0, 1)", "context": "[2, inf)", "probe_samples": "[1, inf)",
+        "policy_weight": "[0, 1]", "eval_batch_size": "[1, inf)"}
 
     teacher: str = "smollm2-135m"
     """HF checkpoint directory, hub id, .gguf file, or "smollm2-135m" (the embedded default teacher)."""
@@ -322,8 +340,9 @@ class PipelineArgs:
     seed: int = 0
     """Seed of the random parts of the initialisation."""
     overwrite: bool = False
-    """Write into a non-empty --out that is not an earlier output of this command (`convert` replaces its contents;
-    the experiments write among them, and refuse another command's output or a file of a name they write)."""
+    """The experiments: write among the files of a non-empty --out that is not an earlier output of theirs (another
+    command's output or a file of a name they write is refused). `convert` replaces --out whole, so it takes only a
+    new or empty directory or an earlier convert output holding nothing else, whatever this says."""
 
     def __post_init__(self):
         check_profile(self.profile)
@@ -448,6 +467,8 @@ def apply_profile(args, device_type: str) -> str:
 class EvalArgs(NiahArgs):
     """`taylor-calibrate eval`: perplexity of a hybrid (and optionally its teacher) on held-out text; optionally
     long-context retrieval (NIAH), agreement with the teacher and lm-eval tasks."""
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+        "eval_batch_size": "[1, inf)", "lm_eval_limit": "[1, inf)"}
 
     model: str = "out/hybrid"
     """A hybrid output directory (or any causal LM checkpoint)."""
@@ -504,6 +525,12 @@ LOSS_HEADS = ("fused", "logits")
 class TrainArgs:
     """Recovery distillation (docs/method.md, "Recovery distillation"): the student learns the teacher's next-token
     distribution."""
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+        "tokens": "[1, inf)", "batch_size": "[1, inf)", "micro_batch_size": "[1, inf)", "lr": "(0, inf)",
+        "mixer_lr": "[0, inf)", "warmup": "[0, 1)", "weight_decay": "[0, inf)", "kl_weight": "[0, inf)",
+        "temperature": "[0.05, 20]", "kl_chunk": "[1, inf)", "repeat_spans": "[0, 1]", "recall_rows": "[0, 1]",
+        "hidden_weight": "[0, inf)", "ce_weight": "[0, inf)", "far_weight": "[0, inf)", "eval_every": "[1, inf)",
+        "save_every": "[1, inf)", "log_every": "[1, inf)", "peak_tflops": "(0, inf)"}
 
     tokens: int | None = None
     """Training-token budget (None: from --profile)."""
@@ -625,6 +652,8 @@ def apply_train_profile(train: TrainArgs, profile: str) -> None:
 @dataclass
 class DistillArgs:
     """`taylor-calibrate distill`: recover a converted hybrid by distillation from its teacher."""
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+        "eval_batch_size": "[1, inf)"}
 
     student: str = "out/hybrid"
     """A `convert` output directory."""
@@ -670,6 +699,8 @@ class TokenizeArgs:
 class RecoveryArgs(PipelineArgs, NiahArgs):
     """`taylor-calibrate recovery`: tokens-to-matched-recovery of each init on each policy (docs/method.md, "Recovery
     distillation")."""
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+        "niah_samples": "[1, inf)", "niah_points": "[2, inf)", "time_limit_s": "(0, inf)"}
 
     out: str = "out/recovery"
     """Output directory (recovery.json, recovery.md, curves PNG, one resumable run directory per policy x init)."""
@@ -706,6 +737,8 @@ class RecoveryArgs(PipelineArgs, NiahArgs):
 @dataclass
 class TradeoffArgs(PipelineArgs, NiahArgs):
     """`taylor-calibrate tradeoff`: the retrieval / perplexity trade-off of conversions over KV budgets and policies."""
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+        "seed_budget": "(0, 1)", "logprob_length": "[2, inf)", "distill_tokens": "[0, inf)"}
 
     out: str = "out/tradeoff"
     """Output directory (tradeoff.json, tradeoff.md, tradeoff.png, end-to-end phases' work directories)."""
@@ -783,10 +816,28 @@ INT_LIMIT = 2 ** 63
 """Integer options reach torch, numpy and range lengths as 64-bit integers: from this magnitude on they overflow."""
 
 
+def in_range(value: float, interval: str) -> bool:
+    """Whether `value` lies in `interval`, written as in maths: "(0, 1)", "[1, inf)", "[0.05, 20]"."""
+    low, high = (float(x) for x in interval[1:-1].split(","))
+    return ((value >= low) if interval[0] == "[" else (value > low)) and (
+        (value <= high) if interval[-1] == "]" else (value < high))
+
+
+def ranges_of(args) -> dict[str, str]:
+    """The RANGES of an argument dataclass and of the classes it extends (a subclass's own entry wins)."""
+    out = {}
+    for klass in reversed(type(args).__mro__):
+        out.update(vars(klass).get("RANGES", {}))
+    return out
+
+
 def check_finite_options(args, prefix: str = "--") -> None:
     """Refuse NaN and inf in every float option of an argument dataclass (nested ones and lists too): every comparison
     with NaN is false, so range checks let it through and it would silently turn off what it sets (a NaN grad_clip
-    clips nothing). Integers past 64 bits are refused too (an OverflowError deep in the run)."""
+    clips nothing). Then each option outside its class's RANGES (a negative learning rate climbs the loss, a zero
+    temperature trains nothing while the metrics read as perfect agreement). Integers past 64 bits are refused too
+    (an OverflowError deep in the run)."""
+    ranges = ranges_of(args)
     for f in fields(args):
         value, name = getattr(args, f.name), f"{prefix}{f.name}"
         if is_dataclass(value):
@@ -795,6 +846,9 @@ def check_finite_options(args, prefix: str = "--") -> None:
         for v in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(v, float) and not math.isfinite(v):
                 raise ValueError(f"{name}={v} is not a finite number; pass a finite value")
+            if (f.name in ranges and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and not in_range(v, ranges[f.name])):
+                raise ValueError(f"{name}={v} is out of range: it must lie in {ranges[f.name]}; pass a value there")
             if seed and isinstance(v, int) and abs(v) >= SEED_LIMIT:
                 raise ValueError(f"{name}={v} is out of range: a seed must be an integer of magnitude below 2**53 "
                                  "(the random generators take 64 bits, and a layer's seed is derived from it)")

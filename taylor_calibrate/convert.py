@@ -30,7 +30,7 @@ from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import (ON_HYBRIDS, RETRIEVAL, SCORED, causal_scores, combined_scores, gdn_layers,
                                      group_scores, kept_groups_of, kept_layers, knockout_candidates, layer_groups,
                                      layer_scores)
-from taylor_calibrate.results import record
+from taylor_calibrate.results import WROTE, record
 from taylor_calibrate.retrieval import answer_scores, calibration_probes, fitting_probes, selection_lengths
 from taylor_calibrate.stats import (attention_targets, collect_stats, far_weights, knockout_drops, retrieval_heads,
                                    store_device_for)
@@ -383,6 +383,7 @@ def run_convert(args: ConvertArgs) -> dict:
             teacher.tokenizer.save_pretrained(tmp)
         report["wall_s"] = clock.wall()
         report["teacher_hash"] = origin
+        report[WROTE] = sorted([p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()] + [REPORT])
         report = record(tmp / REPORT, report, conv.args)
     print_summary(report, conv.args, Path(args.out) / REPORT)
     seq = min(4096, getattr(teacher.model.config, "max_position_embeddings", None) or 4096)  # as check_context

@@ -261,6 +261,38 @@ OUTPUTS = {
 _MARK_BYTES = 1 << 22  # the most read of a file to tell whether it is ours: our marks are far smaller (KBs)
 
 
+# What a command that replaces its --out whole wrote there, so that a replace deletes only that: `convert` lists its
+# files in its report.json ("files"); a token-shard directory holds these.
+WROTE = "files"
+_TOKEN_FILES = ("tokens.json", "calib.bin", "heldout.bin")
+_LEGACY_CONVERT = (".json", ".safetensors", ".jinja", ".model")  # convert outputs from before the list: a model's files
+
+
+def strays(path: Path, command: str) -> list[str]:
+    """The entries of `path` (an earlier output of `command`, which replaces its --out whole) that the command did not
+    write, top-level names first-level only ("notes.txt", ".git"): replacing the directory would delete them."""
+    listed = None
+    if command == "tokenize":
+        listed = set(_TOKEN_FILES)
+    elif command == "convert":
+        try:
+            listed = set(json.loads((path / "report.json").read_text())[WROTE]) | {"report.json"}
+        except (OSError, ValueError, KeyError, TypeError):
+            listed = None
+    out = set()
+    for p in Path(path).rglob("*"):
+        rel = p.relative_to(path).as_posix()
+        if p.is_dir() and not p.is_symlink():
+            if not any(p.iterdir()):
+                out.add(rel.split("/")[0])
+            continue
+        ours = (rel in listed) if listed is not None else (
+            "/" not in rel and p.is_file() and not p.is_symlink() and (p.suffix in _LEGACY_CONVERT or rel == "merges.txt"))
+        if not ours:
+            out.add(rel.split("/")[0])
+    return sorted(out)
+
+
 def found(path: Path, pattern: str) -> list[Path]:
     """What glob `pattern` names under `path`, dangling links included (pathlib skips them for a plain name)."""
     if any(c in pattern for c in "*?["):

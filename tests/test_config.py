@@ -72,3 +72,39 @@ def test_niah_generation_budget_and_seed_reach_the_scorer(module, monkeypatch, t
     else:
         mod._niah(torch.nn.Linear(1, 1), None, TradeoffArgs(niah_new_tokens=64, niah_seed=3, out=str(tmp_path)), "x")
     assert seen["max_new_tokens"] == 64 and seen["seed"] == 3
+
+
+def test_every_numeric_option_has_a_range_and_values_outside_it_are_refused():
+    """--phase2.lr -1, --train.weight_decay -1, --train.temperature 1e-30 ran and reported a model that looked fine.
+    Each numeric option of every command (nested groups too) has its interval beside its definition, and the one
+    check of the parsed options refuses values outside it, naming the option and the interval."""
+    import dataclasses
+    import re
+
+    from taylor_calibrate import config
+
+    free = {"seed", "niah_seed", "grad_clip"}  # any finite value means something (grad_clip <= 0: no clipping)
+
+    def numeric(args, prefix=""):
+        ranges = config.ranges_of(args)
+        for f in dataclasses.fields(args):
+            value = getattr(args, f.name)
+            if dataclasses.is_dataclass(value):
+                yield from numeric(value, f"{prefix}{f.name}.")
+            elif re.fullmatch(r"(int|float)( \| None)?", str(f.type)) and f.name not in free:
+                yield f"{prefix}{f.name}", ranges.get(f.name)
+
+    commands = (config.ConvertArgs, config.AblateArgs, config.DamageArgs, config.EvalArgs, config.DistillArgs,
+                config.RecoveryArgs, config.TradeoffArgs, config.TokenizeArgs)
+    missing = {f"{c.__name__} --{n}" for c in commands for n, r in numeric(c()) if r is None}
+    assert not missing, missing
+    for cls, flag, bad, good in [(config.DistillArgs, "--train.temperature", "1e-30", "0.05"),
+                                 (config.DistillArgs, "--train.weight_decay", "-1", "0"),
+                                 (config.DistillArgs, "--train.peak_tflops", "-5", "989"),
+                                 (config.ConvertArgs, "--phase2.lr_o", "-0.5", "0"),
+                                 (config.ConvertArgs, "--phase2.sink_weight", "-1", "0"),
+                                 (config.DistillArgs, "--train.warmup", "1", "0.99")]:
+        with pytest.raises(ValueError, match=rf"{re.escape(flag)}=\S+ (is out of range: it must lie in|must be)"):
+            config.parse_args_of(cls, [flag, bad])
+        config.parse_args_of(cls, [flag, good])
+    assert config.in_range(0, "[0, 1)") and not config.in_range(1, "[0, 1)") and not config.in_range(0, "(0, inf)")

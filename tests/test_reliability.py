@@ -330,10 +330,13 @@ def test_unwritable_out_fails_before_any_work(w):
 
 
 def test_non_empty_foreign_out_needs_overwrite(w):
+    """eval writes among a user's files with --overwrite true; convert, which replaces --out whole, is refused with
+    or without it (it deleted the directory), naming what is there."""
     d = w.root / "copies" / "my_stuff"
     d.mkdir(parents=True, exist_ok=True)
     (d / "notes.txt").write_text("mine\n")
-    fails(_no_work(w.convert(d)), "not an earlier `convert` output", "--overwrite")
+    fails(_no_work(w.convert(d)), "not an earlier `convert` output", "notes.txt")
+    fails(_no_work(w.convert(d, "--overwrite", "true")), "not an earlier `convert` output", "whatever --overwrite")
     fails(_no_work(w.distill(w.a, d)), "not an earlier `distill` output")
     fails(_no_work(w.eval(w.a, "--out", d)), "not an earlier `eval` output")
     assert tree(d) == {"notes.txt": hashlib.sha256(b"mine\n").hexdigest()}

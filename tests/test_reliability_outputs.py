@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from test_reliability import fails, succeeds, tree
-from test_reliability_inputs import converted_world, copy_tree, main, untouched
+from test_reliability_inputs import SMALL, converted_world, copy_tree, main, untouched
 
 TRAIN = ["--device", "cpu", "--backend", "torch", "--data.seq_len", "32", "--data.eval_seqs", "2",
          "--eval_batch_size", "2", "--train.batch_size", "2", "--train.tokens", "256", "--train.log_every", "1",
@@ -345,3 +345,71 @@ def test_eval_of_a_distill_runs_model_reports_beside_it(ow):
     shutil.rmtree(d / "checkpoints" / "step_00000004")  # the run trains its last step again: model/ is replaced
     succeeds(_distill(ow, d))
     assert (d / "eval" / "report.json").read_bytes() == report
+
+
+# --- convert replaces --out whole: only an earlier output of its own, holding nothing else ----------------------
+def _convert(ow, out, *more):
+    root, teacher, corpus, hybrid, run = ow
+    return main("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", out, *more)
+
+
+@pytest.mark.parametrize("what", ["git_project", "distill_run", "convert_output_with_notes"])
+def test_convert_never_deletes_what_it_did_not_write(ow, what):
+    """`convert --overwrite true` deleted all of --out: a project with its .git, a finished distill run (which
+    convert's own message advised it for), a user's notes beside a converted model. Refused with and without the
+    flag, naming what is there, the directory byte-identical; an earlier output holding only its own files is
+    replaced."""
+    root, teacher, corpus, hybrid, run = ow
+    d = root / f"replace_{what}"
+    shutil.rmtree(d, ignore_errors=True)
+    if what == "git_project":
+        (d / ".git" / "refs").mkdir(parents=True)
+        (d / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+        (d / "train.py").write_text("print('mine')\n")
+        named = r"\.git, train\.py"
+    elif what == "distill_run":
+        copy_tree(run, d)
+        named = "checkpoints"
+    else:
+        copy_tree(hybrid, d)
+        (d / "notes.txt").write_text("mine\n")
+        named = r"also holds notes\.txt"
+    before = tree(d)
+    for more in ([], ["--overwrite", "true"]):
+        fails(_convert(ow, d, *more), named, "pass a new or empty directory|move it away")
+        assert tree(d) == before
+    if what == "convert_output_with_notes":
+        (d / "notes.txt").unlink()
+        succeeds(_convert(ow, d))
+        report = json.loads((d / "report.json").read_text())
+        assert sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()) == report["files"]
+
+
+def test_convert_through_a_link_keeps_the_link(ow):
+    """`--out link` (a link to a directory) renamed the link to a hidden .link.old-<pid> and put a real directory in
+    its place, the target keeping the old model. The link stays and the directory it leads to takes the output."""
+    root = ow[0]
+    target, link = root / "link_target", root / "link_out"
+    shutil.rmtree(target, ignore_errors=True)
+    link.unlink(missing_ok=True)
+    target.mkdir()
+    link.symlink_to(target, target_is_directory=True)
+    for _ in range(2):  # into the empty target, then over the earlier output through the link
+        succeeds(_convert(ow, link))
+        assert link.is_symlink() and (target / "report.json").is_file() and (target / "model.safetensors").is_file()
+        assert not [p.name for p in root.iterdir() if p.name.startswith((".link_out", ".link_target"))
+                    and not p.name.endswith(".lock")]
+
+
+@pytest.mark.parametrize("out", [".", "..", "ABS"])
+def test_the_working_directory_and_its_parents_are_refused_before_any_work(ow, out, monkeypatch):
+    """`--out .` ran the whole conversion, then failed on the rename and left a complete ..partial-<pid>/ behind."""
+    root, teacher, corpus, hybrid, run = ow
+    here = root / "cwd_case" / "inner"
+    here.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(here)
+    before = tree(root / "cwd_case")
+    res = _convert(ow, str(here) if out == "ABS" else out)
+    fails(res, "working directory", "pass a new directory")
+    assert tree(root / "cwd_case") == before and "loading teacher" not in res[1] and "Loading weights" not in res[1]
+    fails(main(*_argv(ow, "eval", out if out != "ABS" else str(here))), "working directory")

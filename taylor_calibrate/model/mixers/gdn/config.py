@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 
 @dataclass
@@ -10,6 +11,7 @@ class GDNConfig:
 
     Head count and head dim are not options: they are the teacher's (num_heads = query heads, expand_v = 1).
     """
+    RANGES: ClassVar[dict[str, str]] = {"conv_size": "[2, 16]", "norm_eps": "(0, 1)"}  # `config.check_finite_options`
 
     short_conv: str = "random"
     """Short causal depthwise conv on q/k/v (fla's `use_short_conv`, on by default there) and its library init, which
