@@ -22,7 +22,8 @@ from jsonargparse import ArgumentParser, Namespace, set_parsing_settings
 
 from taylor_calibrate.experiments.ablate import run_ablate
 from taylor_calibrate.config import (AblateArgs, ConvertArgs, DamageArgs, DistillArgs, EvalArgs, ExportArgs, RecoveryArgs,
-                                     TokenizeArgs, TradeoffArgs, args_of, args_parser)
+                                     TokenizeArgs, TradeoffArgs, args_of, args_parser,
+                                     check_values)
 from taylor_calibrate.convert import run_convert
 from taylor_calibrate.data import run_tokenize
 from taylor_calibrate.distill import run_distill
@@ -63,6 +64,7 @@ def parse(argv: list[str] | None = None):
     cfg = parser.parse_args(argv)
     name = cfg.command
     check_groups(cfg[name], _subparser(name).get_defaults())
+    check_values(cfg[name], COMMANDS[name][0])
     return name, args_of(COMMANDS[name][0], parser.instantiate(cfg)[name])
 
 

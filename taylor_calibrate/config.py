@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import dataclasses
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import ClassVar
 import os
@@ -856,6 +857,29 @@ def check_finite_options(args, prefix: str = "--") -> None:
                 raise ValueError(f"{name}={v} is out of range: an integer option must be of magnitude below 2**63")
 
 
+MAY_BE_EMPTY = ("sets", "windows", "extra")  # list options whose empty value means something (none of them)
+
+
+def check_values(namespace, args_cls, prefix: str = "--") -> None:
+    """Before the arguments are built: a `null` (from a --config YAML) for an option that takes no None, and an empty
+    list where one is needed, would end in a TypeError or a StopIteration once the work began; refused here naming
+    the option, its type and default."""
+    for f in fields(args_cls):
+        value, name = getattr(namespace, f.name, None), f"{prefix}{f.name}"
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if is_dataclass(default):
+            if value is not None and hasattr(value, "__dict__"):
+                check_values(value, type(default), f"{name}.")
+            continue
+        if value is None and "None" not in str(f.type):
+            keep = "" if default is dataclasses.MISSING else f" (then: {default!r})"
+            raise ValueError(f"{name} is null (a `null` in --config?), but it takes a {f.type}: give it a value or "
+                             f"leave it out{keep}")
+        if isinstance(value, list) and not value and f.name not in MAY_BE_EMPTY:
+            raise ValueError(f"{name} is an empty list, so there is nothing to do; pass at least one value (the default "
+                             f"is {default!r})")
+
+
 def args_of(args_cls, namespace):
     """A parsed (instantiated) namespace -> the argument dataclass, its float options checked finite."""
     args = args_cls(**{k: v for k, v in vars(namespace).items() if k != "config" and not k.startswith("__")})
@@ -866,7 +890,9 @@ def args_of(args_cls, namespace):
 def parse_args_of(args_cls, argv: list[str]):
     """Flags -> `args_cls` (e.g. the `distill` flags of an end-to-end phase inside `tradeoff`)."""
     parser = args_parser(args_cls)
-    return args_of(args_cls, parser.instantiate(parser.parse_args(argv)))
+    cfg = parser.parse_args(argv)
+    check_values(cfg, args_cls)
+    return args_of(args_cls, parser.instantiate(cfg))
 
 
 # The token cache's directory (`data.cached_tokens` keeps its entries there), here so that the output checks can

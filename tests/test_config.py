@@ -108,3 +108,21 @@ def test_every_numeric_option_has_a_range_and_values_outside_it_are_refused():
             config.parse_args_of(cls, [flag, bad])
         config.parse_args_of(cls, [flag, good])
     assert config.in_range(0, "[0, 1)") and not config.in_range(1, "[0, 1)") and not config.in_range(0, "(0, inf)")
+
+
+@pytest.mark.parametrize("command,yaml_text,flag", [
+    ("convert", "teacher: null", "--teacher is null"), ("convert", "out: null", "--out is null"),
+    ("convert", "policy: null", "--policy is null"), ("convert", "data:\n  source: null", "--data.source is null"),
+    ("eval", "model: null", "--model is null"), ("eval", "niah_lengths: null", "--niah_lengths is null"),
+    ("distill", "student: null", "--student is null"), ("eval", "niah_tasks: []", "--niah_tasks is an empty list"),
+    ("eval", "niah_lengths: []", "--niah_lengths is an empty list")])
+def test_yaml_nulls_and_empty_lists_are_refused_before_any_work(tmp_path, command, yaml_text, flag):
+    """A --config `null` for an option that takes no None ended in a raw TypeError or AttributeError, an empty list in
+    StopIteration or ZeroDivisionError after the work began (eval leaving a report.json): refused at parse."""
+    from taylor_calibrate.cli import parse
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml_text + "\n")
+    with pytest.raises(ValueError, match=flag):
+        parse([command, "--config", str(config)])
+    assert list(tmp_path.iterdir()) == [config]
