@@ -439,7 +439,7 @@ def run_identity(student, trained: set[str], teacher: str | None, args: TrainArg
     return json.loads(json.dumps(ident, default=str))  # as it reads back from state.json
 
 
-_ADDED_LATER = ("teacher_hash", "rows")  # identity keys checkpoints of older versions lack: not a difference
+_ADDED_LATER = ("teacher_hash", "rows", "heldout_rows", "dtype")  # identity keys checkpoints of older versions lack: not a difference
 
 
 def identity_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -804,7 +804,8 @@ def distill(student, teacher, rows: TokenWindows | torch.Tensor, heldout: torch.
     trained = set(trainable_names(student, args.train))
     shards = getattr(rows, "meta", None)  # the token counts tell a corpus changed at the same path since
     rows_of = {"rows": {k: shards[k] for k in ("tokens", "documents")}} if shards else {}
-    identity = run_identity(student, trained, teacher_spec, args, {**(data or {}), **rows_of, "seq_len": seq})
+    identity = run_identity(student, trained, teacher_spec, args, {**(data or {}), **rows_of, "seq_len": seq,
+                                                                    "heldout_rows": int(heldout.shape[0])})
     for n, p in student.named_parameters():
         p.requires_grad_(n in trained)
     # FSDP2 casts every parameter to bf16 itself (its mixed-precision policy) and wants one dtype per unit
@@ -963,6 +964,7 @@ def run_distill(args: DistillArgs) -> dict:
     train_rows, heldout = distill_data(args.data, tokenizer, args.train.tokens, main=ctx.main,
                                        barrier=dist.barrier if ctx.world > 1 else None)
     data = {k: getattr(args.data, k) for k in ("source", "text_field", "split", "heldout_fraction")}
+    data["dtype"] = str(dtype).removeprefix("torch.")  # the compute dtype: a resume in another changes the weights
     report = distill(student, teacher, train_rows, heldout, args.train, args.out, resume=args.resume,
                      eval_batch_size=args.eval_batch_size, ctx=ctx, teacher_spec=teacher_spec, data=data)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict

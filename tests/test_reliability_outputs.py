@@ -347,6 +347,22 @@ def test_eval_of_a_distill_runs_model_reports_beside_it(ow):
     assert (d / "eval" / "report.json").read_bytes() == report
 
 
+@pytest.mark.parametrize("flag,value,differs", [("--data.eval_seqs", "1", r"data\.heldout_rows: 2 then, 1 now"),
+                                                 ("--dtype", "bfloat16", r"data\.dtype: 'float32' then, 'bfloat16' now")])
+def test_a_resume_that_would_change_what_the_run_measures_is_refused(ow, flag, value, differs):
+    """A stopped distill resumed with another --data.eval_seqs (its held-out curve then mixes two row sets under one
+    recorded value) or --dtype (weights unlike an uninterrupted run's) was accepted. Refused, naming the option."""
+    root, teacher, corpus, hybrid, run = ow
+    d = root / f"resume_other_{flag.strip('-').replace('.', '_')}"
+    shutil.rmtree(d, ignore_errors=True)
+    succeeds(_distill(ow, d))
+    (d / "report.json").unlink()
+    shutil.rmtree(d / "model")
+    before = tree(d)
+    fails(_distill(ow, d, flag, value), "holds checkpoints of another run, which differs in: .*" + differs)
+    assert tree(d) == before
+
+
 # --- convert replaces --out whole: only an earlier output of its own, holding nothing else ----------------------
 def _convert(ow, out, *more):
     root, teacher, corpus, hybrid, run = ow
