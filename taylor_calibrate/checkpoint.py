@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from taylor_calibrate.model.loading import REPORT, check_loaded, check_report, check_tokenizer_fits, read_json
+from taylor_calibrate.model.loading import (REPORT, check_loaded, check_report, check_tokenizer_fits,
+                                            check_tokenizer_recorded, read_json)
 from taylor_calibrate.results import finished, is_output_of, umask, write_json
 
 log = logging.getLogger("taylor_calibrate")
@@ -264,6 +265,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
         except Exception as e:  # a damaged tokenizer file surfaces as whatever its reader meets
             raise tokenizer_error(str(path), e, "copy them again from the teacher it was converted from") from e
     check_tokenizer_fits(path, model, tokenizer, "copy them again from the teacher it was converted from")
+    check_tokenizer_recorded(path, tokenizer, "copy them again from the teacher it was converted from")
     return model.to(device).eval(), tokenizer
 
 

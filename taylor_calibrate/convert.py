@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from taylor_calibrate.align import align_attention, align_layers, realign_kept, resolve_lr_scale, roped
 from taylor_calibrate.calibrate import calibrated_mixers
@@ -26,6 +27,7 @@ from taylor_calibrate.evaluate import agreement, check_finite_eval, perplexity, 
 from taylor_calibrate.export.qwen3_5 import check_qwen3_form, qwen3_form, start_qk_norm, target_gdn
 from taylor_calibrate.memory import byte_budget, cache_report, cache_rows, default_context
 from taylor_calibrate.model.hybrid import convert_teacher
+from taylor_calibrate.model.loading import tokenizer_fingerprint
 from taylor_calibrate.ops import resolve_backend, training_backend
 from taylor_calibrate.policy import (ON_HYBRIDS, RETRIEVAL, SCORED, causal_scores, combined_scores, gdn_layers,
                                      group_scores, kept_groups_of, kept_layers, knockout_candidates, layer_groups,
@@ -383,6 +385,7 @@ def run_convert(args: ConvertArgs) -> dict:
             teacher.tokenizer.save_pretrained(tmp)
         report["wall_s"] = clock.wall()
         report["teacher_hash"] = origin
+        report["tokenizer"] = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp))  # as readers will see it
         report[WROTE] = sorted([p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()] + [REPORT])
         report = record(tmp / REPORT, report, conv.args)
     print_summary(report, conv.args, Path(args.out) / REPORT)

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from taylor_calibrate.checkpoint import waiting_lock
 from taylor_calibrate.checks import writes_out
 from taylor_calibrate.config import TOKEN_CACHE_ENV, CorpusSpec, token_cache_dir
+from taylor_calibrate.model.loading import tokenizer_fingerprint
 from taylor_calibrate.results import is_output_of, umask
 
 log = logging.getLogger(__name__)
@@ -399,13 +400,6 @@ def load_splits(spec: CorpusSpec, tokenizer, seq_len: int, calib_seqs: int, held
 TOKENS_META = "tokens.json"
 SIDES = ("calib", "heldout")
 _ENCODE_BATCH = 256  # documents per batch call of the tokenizer
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """sha1 of the vocabulary, the eos id and the encoding of a probe text: equal iff the shards are valid for it."""
-    vocab = sorted(tokenizer.get_vocab().items())
-    probe = tokenizer("def f(x):\n    return 'héllo' + x  # 123", add_special_tokens=False)["input_ids"]
-    return hashlib.sha1(json.dumps([vocab, tokenizer.eos_token_id, probe]).encode()).hexdigest()
 
 
 def check_readable(path: Path, source: str) -> None:

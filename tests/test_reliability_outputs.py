@@ -429,3 +429,23 @@ def test_the_working_directory_and_its_parents_are_refused_before_any_work(ow, o
     fails(res, "working directory", "pass a new directory")
     assert tree(root / "cwd_case") == before and "loading teacher" not in res[1] and "Loading weights" not in res[1]
     fails(main(*_argv(ow, "eval", out if out != "ABS" else str(here))), "working directory")
+
+
+def test_a_model_whose_tokenizer_was_replaced_is_refused_by_its_readers(ow, tmp_path):
+    """A hybrid's tokenizer files replaced by another tokenizer of the same size: eval exited 0 with another
+    perplexity (and with --teacher blamed the teacher). convert records its tokenizer; readers refuse another."""
+    from transformers import AutoTokenizer
+
+    root, teacher, corpus, hybrid, run = ow
+    d = copy_tree(hybrid, tmp_path / "swapped")
+    tok = AutoTokenizer.from_pretrained(d)
+    vocab = tok.get_vocab()
+    a, b = sorted(vocab, key=vocab.get)[-2:]  # two ordinary tokens trade ids: same size, other encoding
+    data = json.loads((d / "tokenizer.json").read_text())
+    v = data["model"]["vocab"]
+    v[a], v[b] = v[b], v[a]
+    (d / "tokenizer.json").write_text(json.dumps(data))
+    fails(main("eval", "--model", d, "--data.source", corpus, "--device", "cpu", "--data.seq_len", "32",
+               "--data.eval_seqs", "2", "--out", tmp_path / "e"),
+          "its tokenizer files are not the tokenizer it was converted with", "copy them again")
+    assert not (tmp_path / "e").exists()

@@ -4,6 +4,7 @@ fix. The model uses them; checkpoint I/O lives in checkpoint.py, which the model
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -88,6 +89,25 @@ def check_tokenizer_fits(path, model, tokenizer, fix: str) -> None:
         raise ValueError(f"{path}: the tokenizer gives ids up to {top}, but the model's embedding has {rows} rows "
                          f"(config.json vocab_size {model.config.get_text_config().vocab_size}): the tokenizer files "
                          f"belong to another model; {fix}")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha1 of the vocabulary, the eos id and the encoding of a probe text: what a tokenizer computes, whatever files
+    hold it (token shards and a converted model record it)."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    probe = tokenizer("def f(x):\n    return 'héllo' + x  # 123", add_special_tokens=False)["input_ids"]
+    return hashlib.sha1(json.dumps([vocab, tokenizer.eos_token_id, probe]).encode()).hexdigest()
+
+
+def check_tokenizer_recorded(path, tokenizer, fix: str) -> None:
+    """A converted model's report.json records its tokenizer (`tokenizer_fingerprint`); tokenizer files replaced
+    since by another of the same size would give other ids to the same text and every figure read through them."""
+    report = Path(path) / REPORT
+    rep = read_json(report, fix, object) if report.is_file() else {}
+    want = rep.get("tokenizer") if isinstance(rep, dict) else None
+    if tokenizer is not None and isinstance(want, str) and tokenizer_fingerprint(tokenizer) != want:
+        raise ValueError(f"{path}: its tokenizer files are not the tokenizer it was converted with (report.json "
+                         f"records another vocabulary or encoding); {fix}")
 
 
 def check_report(path, config) -> None:
