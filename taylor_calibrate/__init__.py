@@ -15,7 +15,7 @@ if sys.argv[:1] == ["-m"] or sys.argv[0].endswith("taylor-calibrate"):
         """
         import os
 
-        what = "interrupted" if signum == signal.SIGINT else "terminated"
+        what = "interrupted" if signum == signal.SIGINT else "terminated" if signum == signal.SIGTERM else "hung up"
         print(f"taylor-calibrate: {what} while starting; nothing was written", file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
@@ -23,6 +23,7 @@ if sys.argv[:1] == ["-m"] or sys.argv[0].endswith("taylor-calibrate"):
 
     signal.signal(signal.SIGINT, _ended_while_starting)
     signal.signal(signal.SIGTERM, _ended_while_starting)
+    signal.signal(signal.SIGHUP, _ended_while_starting)
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 

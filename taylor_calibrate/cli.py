@@ -117,9 +117,12 @@ _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 def describe(e: BaseException, args=None) -> str:
     """The error line: the message on one line (a library's message quoted in ours may span several), with a bare
     OSError of the system (a full disk, no permission) given the file or output it concerns and the fix."""
-    if not isinstance(e, OSError) or not str(e).startswith("[Errno") or e.errno not in _FULL + _DENIED:
+    if not isinstance(e, OSError) or not str(e).startswith("[Errno") or \
+            e.errno not in _FULL + _DENIED + (errno.ENAMETOOLONG,):
         return " ".join(str(e).split())
     where = e.filename or getattr(args, "out", None)
+    if e.errno == errno.ENAMETOOLONG:
+        return f"a path is longer than the file system allows{f' ({where})' if where else ''}; pass a shorter one"
     if e.errno in _FULL:
         return (f"no space left on the device{f' writing {where}' if where else ''} ({e.strerror}); free space there "
                 "or pass another --out")
@@ -127,12 +130,17 @@ def describe(e: BaseException, args=None) -> str:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (`kill`, a scheduler's time limit, `docker stop`) taken as a Ctrl-C: the same cleanup of staged outputs
-    and locks, and the same one line, where the default action would end the process on the spot."""
+    """SIGTERM (`kill`, a scheduler's time limit, `docker stop`) or SIGHUP (the terminal or ssh session closed) taken
+    as a Ctrl-C: the same cleanup of staged outputs and locks, and the same one line, where the default action would
+    end the process on the spot, silently."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _terminated(signum, frame):
-    raise Terminated
+    raise Terminated(signum)
 
 
 _FORMS = {"list": "a list, written '[a, b]'", "int": "an integer", "float": "a number", "bool": "true or false",
@@ -219,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     main_thread = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    old_hangup = signal.signal(signal.SIGHUP, _terminated) if main_thread else None
     old_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler) if main_thread else None  # was startup's
     try:
         check_config_files(words)
@@ -234,13 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog(name)}: error: {describe(e, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        how = " (SIGTERM)" if isinstance(e, Terminated) else ""
+        how = f" ({signal.Signals(e.signum).name})" if isinstance(e, Terminated) else ""
         print(f"{prog(name)}: interrupted{how}; nothing half-written was kept (outputs appear whole "
               "or not at all; distill resumes from its last checkpoint)", file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
+        return 128 + e.signum if isinstance(e, Terminated) else 130
     finally:  # a caller of main() in-process (the tests) keeps its own handler
         if main_thread:
             signal.signal(signal.SIGTERM, old_handler)
+            signal.signal(signal.SIGHUP, old_hangup)
             signal.signal(signal.SIGINT, old_interrupt)
     return 0
 

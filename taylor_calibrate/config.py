@@ -880,10 +880,29 @@ def check_values(namespace, args_cls, prefix: str = "--") -> None:
                              f"is {default!r})")
 
 
+PATH_OPTIONS = ("teacher", "student", "model", "hybrid", "out", "source", "token_cache")  # files and directories
+
+
+def expand_paths(args) -> None:
+    """`~` in a path option, as the shell would have expanded it (`--teacher=~/t` and a --config file reach us
+    unexpanded and were read as a hub id); an empty one is refused (read as a hub id or the working directory)."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if is_dataclass(value):
+            expand_paths(value)
+        elif f.name in PATH_OPTIONS and isinstance(value, str):
+            if not value.strip():
+                raise ValueError(f"--{f.name} is empty; pass a path" + (" or a hub id" if f.name == "teacher" else ""))
+            if value == "~" or value.startswith("~/"):
+                setattr(args, f.name, os.path.expanduser(value))
+
+
 def args_of(args_cls, namespace):
-    """A parsed (instantiated) namespace -> the argument dataclass, its float options checked finite."""
+    """A parsed (instantiated) namespace -> the argument dataclass, its float options checked finite and in range,
+    `~` in its paths expanded."""
     args = args_cls(**{k: v for k, v in vars(namespace).items() if k != "config" and not k.startswith("__")})
     check_finite_options(args)
+    expand_paths(args)
     return args
 
 

@@ -154,7 +154,7 @@ def _locate(spec: str) -> tuple[str, dict]:
     if spec == DEFAULT_TEACHER:
         path = embedded_teacher_path()
         return str(path.parent), {"gguf_file": path.name}
-    if spec.endswith(".gguf"):
+    if spec.lower().endswith(".gguf") and not os.path.isdir(spec):  # a directory named x.gguf is an HF checkpoint
         path = Path(spec)
         if path.exists() and not path.is_file():
             raise ValueError(f"teacher GGUF file {spec!r} is not a regular file (a directory, pipe or device); pass "

@@ -76,10 +76,10 @@ def _as_from_a_shell() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_ctrl_c_and_sigterm_are_one_line(fw, sig, code):
-    """A SIGTERM (`kill`, a scheduler's time limit) ended the process on the spot: no line, and no cleanup of what a
-    run had staged. Both signals now end in one line and leave nothing."""
+    """A SIGTERM (`kill`, a scheduler's time limit) or SIGHUP (the terminal closed) ended the process on the spot: no
+    line, and no cleanup of what a run had staged. Each signal now ends in one line and leaves nothing."""
     root, teacher, corpus, hybrid = fw
     out = root / f"interrupted_{sig.name}"
     p = subprocess.Popen(_cmd(["convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", out]),
@@ -97,7 +97,8 @@ def test_ctrl_c_and_sigterm_are_one_line(fw, sig, code):
 
 
 @pytest.mark.parametrize("sig, codes, what", [(signal.SIGINT, (-signal.SIGINT, 130), "interrupted"),
-                                              (signal.SIGTERM, (143,), "terminated")])
+                                              (signal.SIGTERM, (143,), "terminated"),
+                                              (signal.SIGHUP, (129,), "hung up")])
 def test_a_signal_while_the_cli_is_still_importing_is_one_line(sig, codes, what):
     """Before cli.main runs (torch and transformers take seconds to import) a Ctrl-C or a SIGTERM is one line too
     (a SIGTERM was a silent kill)."""

@@ -253,3 +253,20 @@ def test_an_unreadable_corpus_is_named_not_a_file_inside_it(tmp_path, command):
     finally:
         corpus.chmod(0o755)
     assert not (tmp_path / "out").exists()
+
+
+def test_paths_that_misled_the_messages(tmp_path, monkeypatch):
+    """`--teacher=~/t` reached us unexpanded and was read as a hub id; an empty path string as a hub id or the
+    working directory; an HF directory named x.gguf, or a file named X.GGUF, took the other branch; a too-long path
+    was a raw ENAMETOOLONG."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    o = str(tmp_path / "o")
+    fails(cli("convert", "--teacher=~/missing_teacher", "--out", o),
+          f"{tmp_path}/missing_teacher", "neither an HF checkpoint directory nor a .gguf file")
+    fails(cli("convert", "--teacher", "", "--out", o), "--teacher is empty")
+    fails(cli("convert", "--out", " "), "--out is empty")
+    (tmp_path / "x.gguf").mkdir()
+    fails(cli("convert", "--teacher", str(tmp_path / "x.gguf"), "--out", o), "has no config.json")
+    fails(cli("convert", "--teacher", str(tmp_path / "T.GGUF"), "--out", o), "teacher GGUF file", "does not exist")
+    err = fails(cli("convert", "--out", str(tmp_path / ("a" * 300))), "longer than the file system allows")
+    assert "Errno" not in err and not (tmp_path / "o").exists()
