@@ -550,6 +550,21 @@ def _ready(teacher: Teacher, device) -> Teacher:
     return teacher
 
 
+def check_rope_type(spec: str, config) -> None:
+    """A rope_scaling type transformers does not know fails inside the model's construction as a bare KeyError."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        layers = rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]  # per layer type
+        for r in layers:
+            kind = r.get("rope_type", r.get("type")) if isinstance(r, dict) else None
+            if kind not in (None, "default") and kind not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"teacher {spec!r}: its config's rope_scaling type {kind!r} is not one this "
+                                 f"transformers knows ({', '.join(['default', *ROPE_INIT_FUNCTIONS])}); correct "
+                                 "rope_scaling in its config.json, or install a transformers that knows the type")
+
+
 def _load_teacher(spec: str, device, dtype: torch.dtype, attn_implementation: str, tokenizer) -> Teacher:
     from taylor_calibrate.checkpoint import check_loaded
     from taylor_calibrate.model.loading import check_tokenizer_fits
@@ -585,6 +600,7 @@ def _load_teacher(spec: str, device, dtype: torch.dtype, attn_implementation: st
     hybrid_gguf = "gguf_file" in kw and config.model_type in _HYBRIDS  # its metadata may name its teacher
     check_architecture(config, spec, gguf_architecture(Path(where) / kw["gguf_file"])[1] if hybrid_gguf else None)
     check_tokenizer_files(where, kw)
+    check_rope_type(spec, config)
     log.info("loading teacher %s (%s)", spec, config.model_type)
     try:
         # the config read above goes in, so a GGUF file's metadata is parsed once less (seconds per parse); weights of

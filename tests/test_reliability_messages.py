@@ -270,3 +270,22 @@ def test_paths_that_misled_the_messages(tmp_path, monkeypatch):
     fails(cli("convert", "--teacher", str(tmp_path / "T.GGUF"), "--out", o), "teacher GGUF file", "does not exist")
     err = fails(cli("convert", "--out", str(tmp_path / ("a" * 300))), "longer than the file system allows")
     assert "Errno" not in err and not (tmp_path / "o").exists()
+
+
+def test_an_unknown_rope_type_and_shards_without_their_tokens_json_are_named(r7, tmp_path):
+    """An unknown rope_scaling type was a KeyError and "download them again"; token shards whose tokens.json is gone
+    were "a directory with no text files"."""
+    root, teacher, corpus, hybrid, run = r7
+    t = copy_tree(teacher, tmp_path / "rope_teacher")
+    cfg = json.loads((t / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = {"rope_type": "weird", "factor": 2.0}
+    (t / "config.json").write_text(json.dumps(cfg))
+    fails(main("convert", "--teacher", t, "--data.source", corpus, *SMALL, "--out", tmp_path / "o1"),
+          "rope_scaling type 'weird' is not one this transformers knows", "correct rope_scaling")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("calib.bin", "heldout.bin"):
+        (shards / name).write_bytes(b"\0" * 64)
+    fails(main("convert", "--teacher", teacher, "--data.source", shards, *SMALL, "--out", tmp_path / "o2"),
+          r"holds token shards \(calib\.bin, heldout\.bin\) but no tokens\.json", "tokenize")
