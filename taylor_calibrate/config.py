@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import ClassVar
 import os
+import shlex
 from pathlib import Path
 
 import yaml
@@ -287,8 +288,12 @@ def check_not_empty(args, *names: str) -> None:
     deep inside, or write a results file with no rows: refused at parse, naming the option."""
     for name in names:
         if not getattr(args, name):
-            raise ValueError(f"--{name} is empty, so there is nothing to run; pass at least one (the default is "
-                             f"{[f.default_factory() for f in fields(args) if f.name == name][0]})")
+            raise ValueError(nothing_to_run(f"--{name}", [f.default_factory() for f in fields(args)
+                                                          if f.name == name][0]))
+
+
+def nothing_to_run(flag: str, default) -> str:
+    return f"{flag} is empty, so there is nothing to run; pass at least one (the default is {default})"
 
 
 def check_batch(eval_batch_size: int) -> None:
@@ -701,7 +706,7 @@ class RecoveryArgs(PipelineArgs, NiahArgs):
     """`taylor-calibrate recovery`: tokens-to-matched-recovery of each init on each policy (docs/method.md, "Recovery
     distillation")."""
     RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
-        "niah_samples": "[1, inf)", "niah_points": "[2, inf)", "time_limit_s": "(0, inf)"}
+        "niah_samples": "[1, inf)", "niah_points": "[2, inf)", "time_limit_s": "[0, inf)"}
 
     out: str = "out/recovery"
     """Output directory (recovery.json, recovery.md, curves PNG, one resumable run directory per policy x init)."""
@@ -770,6 +775,8 @@ class TradeoffArgs(PipelineArgs, NiahArgs):
             raise ValueError(f"budgets {self.budgets} and seed_budget {self.seed_budget} must be fractions in (0, 1)")
         if self.distill_tokens < 0 or not self.distill:
             raise ValueError("distill_tokens must be >= 0 and distill a list of flag strings")
+        for flags in self.distill:  # before any work, and named as what they are (not tradeoff's own options)
+            parse_args_of(DistillArgs, shlex.split(flags), what=f"--distill {flags!r} (flags of `distill`)")
 
 
 EXPORT_FORMATS = ("qwen3_5", "gguf")
@@ -876,8 +883,7 @@ def check_values(namespace, args_cls, prefix: str = "--") -> None:
             raise ValueError(f"{name} is null (a `null` in --config?), but it takes a {f.type}: give it a value or "
                              f"leave it out{keep}")
         if isinstance(value, list) and not value and f.name not in MAY_BE_EMPTY:
-            raise ValueError(f"{name} is an empty list, so there is nothing to do; pass at least one value (the default "
-                             f"is {default!r})")
+            raise ValueError(nothing_to_run(name, default))
 
 
 PATH_OPTIONS = ("teacher", "student", "model", "hybrid", "out", "source", "token_cache")  # files and directories
@@ -906,12 +912,20 @@ def args_of(args_cls, namespace):
     return args
 
 
-def parse_args_of(args_cls, argv: list[str]):
-    """Flags -> `args_cls` (e.g. the `distill` flags of an end-to-end phase inside `tradeoff`)."""
+def parse_args_of(args_cls, argv: list[str], what: str | None = None):
+    """Flags -> `args_cls` (e.g. the `distill` flags of an end-to-end phase inside `tradeoff`); with `what`, an error
+    names them as that (else the calling command's parser words it as one of its own options)."""
+    import argparse
+
     parser = args_parser(args_cls)
-    cfg = parser.parse_args(argv)
-    check_values(cfg, args_cls)
-    return args_of(args_cls, parser.instantiate(cfg))
+    try:
+        cfg = parser.parse_args(argv)
+        check_values(cfg, args_cls)
+        return args_of(args_cls, parser.instantiate(cfg))
+    except (argparse.ArgumentError, ValueError) as e:
+        if what is None:
+            raise
+        raise ValueError(f"{what}: {' '.join(str(e).split())}") from None
 
 
 # The token cache's directory (`data.cached_tokens` keeps its entries there), here so that the output checks can

@@ -114,8 +114,8 @@ def test_every_numeric_option_has_a_range_and_values_outside_it_are_refused():
     ("convert", "teacher: null", "--teacher is null"), ("convert", "out: null", "--out is null"),
     ("convert", "policy: null", "--policy is null"), ("convert", "data:\n  source: null", "--data.source is null"),
     ("eval", "model: null", "--model is null"), ("eval", "niah_lengths: null", "--niah_lengths is null"),
-    ("distill", "student: null", "--student is null"), ("eval", "niah_tasks: []", "--niah_tasks is an empty list"),
-    ("eval", "niah_lengths: []", "--niah_lengths is an empty list")])
+    ("distill", "student: null", "--student is null"), ("eval", "niah_tasks: []", "--niah_tasks is empty, so there is nothing to run"),
+    ("eval", "niah_lengths: []", "--niah_lengths is empty, so there is nothing to run")])
 def test_yaml_nulls_and_empty_lists_are_refused_before_any_work(tmp_path, command, yaml_text, flag):
     """A --config `null` for an option that takes no None ended in a raw TypeError or AttributeError, an empty list in
     StopIteration or ZeroDivisionError after the work began (eval leaving a report.json): refused at parse."""

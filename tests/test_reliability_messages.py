@@ -289,3 +289,10 @@ def test_an_unknown_rope_type_and_shards_without_their_tokens_json_are_named(r7,
         (shards / name).write_bytes(b"\0" * 64)
     fails(main("convert", "--teacher", teacher, "--data.source", shards, *SMALL, "--out", tmp_path / "o2"),
           r"holds token shards \(calib\.bin, heldout\.bin\) but no tokens\.json", "tokenize")
+
+
+def test_a_bad_flag_inside_tradeoff_distill_is_named_as_a_distill_flag_before_any_work():
+    """`tradeoff --distill '--train.bogus 1'` was called an unknown tradeoff option, once the conversions had run."""
+    err = fails(cli("tradeoff", "--distill_tokens", "1000", "--distill", '["--train.bogus 1"]'),
+                r"--distill '--train\.bogus 1' \(flags of `distill`\): unrecognized arguments: --train\.bogus")
+    assert "tradeoff option" not in err
