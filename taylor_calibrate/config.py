@@ -898,7 +898,8 @@ def expand_paths(args) -> None:
             expand_paths(value)
         elif f.name in PATH_OPTIONS and isinstance(value, str):
             if not value.strip():
-                raise ValueError(f"--{f.name} is empty; pass a path" + (" or a hub id" if f.name == "teacher" else ""))
+                what = {"teacher": "a path or a hub id", "out": "a directory path"}.get(f.name, "a path")
+                raise ValueError(f"--{f.name} is empty; pass {what}")
             if value == "~" or value.startswith("~/"):
                 setattr(args, f.name, os.path.expanduser(value))
 

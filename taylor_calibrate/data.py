@@ -185,7 +185,7 @@ def _directory_documents(root: Path) -> list[tuple[str, str]]:
     if skipped:
         log.info("corpus %s: skipped %d binary or non-UTF-8 files", root, skipped)
     if not docs:
-        if shards := sorted(p.name for p in root.glob("*.bin")):  # token shards whose tokens.json is gone
+        if shards := [f"{side}.bin" for side in SIDES if (root / f"{side}.bin").is_file()]:  # tokens.json gone
             raise ValueError(f"corpus directory {str(root)!r} holds token shards ({', '.join(shards)}) but no "
                              "tokens.json, which says what they hold: they are incomplete; run `tokenize` again into a "
                              "new directory, or pass the corpus's text")
