@@ -96,6 +96,11 @@ def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs:
         raise FileNotFoundError(f"{flag} {out} is a link to {os.readlink(raw)}, which does not exist; pass a directory "
                                 "path (or create the link's target)")
     path = raw.resolve()
+    room = _name_max(path) - len(f".{path.name}.partial-{2 ** 22}")  # the staged sibling's name, the longest written
+    if len(path.name.encode()) > room:
+        raise ValueError(f"{flag} {out}: its last component is {len(path.name.encode())} bytes, and the command "
+                         f"writes siblings named .<it>.partial-<pid> and .<it>.lock beside it, so it may have at most "
+                         f"{room}; pass a shorter name")
     here = Path.cwd().resolve()
     if path == here or path in here.parents:
         what = "the working directory" if path == here else f"a parent of the working directory {here}"
@@ -120,10 +125,19 @@ def check_out(out: str, command: str, *, overwrite: bool | None = False, inputs:
         lock.enter_context(output_lock(path, command, flag))
     if path.is_dir() and any(path.iterdir()):
         if command in _REPLACES_OUT:
-            _check_replaced_out(path, out, command, flag)
+            _check_replaced_out(path, out, command, flag, overwrite)
         elif not is_output_of(path, command):
             _check_foreign_out(path, out, command, overwrite, flag)
     return path
+
+
+def _name_max(path: Path) -> int:
+    """The longest file name the file system under `path` takes (255 on the common ones)."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 def _named(entries: list, n: int = 4) -> str:
@@ -136,15 +150,16 @@ def _odd(path: Path, command: str) -> str:
     return f"; its {odd[0]} is not a regular file: a directory, pipe, socket or device" if odd else ""
 
 
-def _check_replaced_out(path: Path, out: str, command: str, flag: str) -> None:
+def _check_replaced_out(path: Path, out: str, command: str, flag: str, overwrite: bool | None) -> None:
     """A command that replaces --out whole (`convert`, `tokenize`) deletes what the directory held: it may do so only
     to an earlier output of its own holding nothing it did not write, whatever --overwrite says."""
     if not is_output_of(path, command):
         there = sorted(p.name for p in path.iterdir())
         raise FileExistsError(f"{flag} {out} is a non-empty directory that is not an earlier `{command}` output (it "
                               f"holds {_named(there)}{_odd(path, command)}); `{command}` replaces its {flag} whole, so "
-                              f"it takes only a new or empty directory or an earlier `{command}` output, whatever "
-                              f"--overwrite says; pass a new or empty directory")
+                              f"it takes only a new or empty directory or an earlier `{command}` output"
+                              f"{'' if overwrite is None else ', whatever --overwrite says'}; pass a new or empty "
+                              "directory")
     if extra := strays(path, command):
         raise FileExistsError(f"{flag} {out} is an earlier `{command}` output that also holds {_named(extra)}, which "
                               f"`{command}` did not write and replacing the directory would delete; move "
@@ -315,6 +330,9 @@ def check_same_vocab(teacher_spec: str, teacher_model, teacher_tokenizer, model,
     sizes = teacher_model.config.get_text_config().vocab_size, model.config.get_text_config().vocab_size
     if sizes[0] != sizes[1] or teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
         why = f"vocab_size {sizes[0]} vs {sizes[1]}" if sizes[0] != sizes[1] else "other tokens at the same ids"
+        if _local(teacher_spec) is not None and _local(teacher_spec) == _local(origin):  # the right teacher
+            raise ValueError(f"the {who}'s tokenizer files do not match its teacher {teacher_spec!r}, which it was "
+                             f"converted from ({why}): they were replaced since; copy them again from the teacher")
         raise ValueError(f"teacher {teacher_spec!r} does not share the {who}'s vocabulary ({why}), so their token ids "
                          f"cannot be compared; pass the teacher it was converted from ({origin})")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -400,7 +401,7 @@ def phase_command(report: dict, out: str, seq: int) -> str:
     than half the layers hold GDN heads (a windowed teacher whose global layers are few, e.g. Gemma 3), that leaves
     the kept layers unable to take over what a converted layer did for retrieval, so every parameter trains, at the
     lower rate that wants (measured on Gemma 3: docs/results.md, run 18)."""
-    cmd = (f"taylor-calibrate distill --student {out} --data.seq_len {seq} --train.tokens 20000000 "
+    cmd = (f"taylor-calibrate distill --student {shlex.quote(str(out))} --data.seq_len {seq} --train.tokens 20000000 "
            "--data.source YOUR_TEXT")
     if 2 * len(report["gdn_layers"]) < len(report["layer_types"]):
         cmd += " --train.train all --train.lr 1e-4 --train.repeat_spans 0.5 --train.recall_rows 0.25"

@@ -92,8 +92,8 @@ def load_documents(spec: CorpusSpec) -> list[tuple[str, str]]:
         if path.is_dir() and any((path / m).exists() for m in _DATASET_MARKERS):
             docs = _saved_dataset_documents(path, spec)
         elif path.is_dir():
-            docs = _directory_documents(path)
-        elif path.suffix == ".jsonl":
+            docs = _directory_documents(path, spec.text_field)
+        elif path.suffix.lower() == ".jsonl":
             docs = _jsonl_documents(path, spec.text_field)
         else:
             text = _read_text(path)
@@ -170,12 +170,16 @@ def _pysrc_documents() -> list[tuple[str, str]]:
     return docs
 
 
-def _directory_documents(root: Path) -> list[tuple[str, str]]:
-    """Every text file under root, recursively, sorted; hidden files/dirs (.git) and binaries skipped."""
+def _directory_documents(root: Path, field: str = "text") -> list[tuple[str, str]]:
+    """Every text file under root, recursively, sorted (a .jsonl file: its records' `field`); hidden files/dirs (.git)
+    and binaries skipped."""
     docs, skipped = [], 0
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root)
         if not path.is_file() or any(part.startswith(".") for part in rel.parts):
+            continue
+        if path.suffix.lower() == ".jsonl":  # records, as a .jsonl source file is read (not its JSON syntax as text)
+            docs += [(f"{rel.as_posix()}:{name}", text) for name, text in _jsonl_documents(path, field)]
             continue
         text = _read_text(path)
         if text is None:

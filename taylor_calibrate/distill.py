@@ -508,6 +508,10 @@ def check_fresh_out(out: Path, resume: bool, overwrite: bool) -> None:
     the metrics of a run stopped before its first checkpoint (nothing trained to lose). A user's file or folder of a
     name the run writes is never replaced (`checks.check_out`, before this)."""
     if resume and any((out / CKPT_DIR).glob("step_*")):
+        if overwrite:  # the user asked for a new run, which --resume true (the default) would not start
+            raise ValueError(f"--out {out} holds a run to resume, and --resume true (the default) resumes it: "
+                             "--overwrite true starts a new run there only with --resume false; pass both, or drop "
+                             "--overwrite to resume")
         return  # resumed, or refused naming what differs (resume_checkpoint)
     if resume and is_output_of(out, "distill") and not (out / REPORT).exists() and not (out / "model").exists():
         log.info("%s holds only the metrics of a run stopped before its first checkpoint (nothing trained): the run "
@@ -945,6 +949,11 @@ def run_distill(args: DistillArgs) -> dict:
     backend = training_backend(resolve_backend(args.backend), args.backend, True)
     profile = apply_profile(args, device.type)
     apply_train_profile(args.train, profile)
+    step = args.train.batch_size * args.data.seq_len if args.train.batch_size and args.data.seq_len else 0
+    if args.train.tokens is not None and step > args.train.tokens:  # one step of such rows could not fit in memory
+        raise ValueError(f"--train.tokens {args.train.tokens} is less than one optimizer step (--train.batch_size "
+                         f"{args.train.batch_size} x --data.seq_len {args.data.seq_len} = {step} tokens); raise "
+                         "--train.tokens or lower the batch")
     student, tokenizer = load_model(args.student, device, torch.float32)  # fp32 master weights
     if not hasattr(student, "set_backend"):
         raise ValueError(f"{args.student} is not a converted hybrid (no GDN layers); run `convert` first")

@@ -219,6 +219,11 @@ def run_eval(args: EvalArgs) -> dict:
     if tokenizer is None:
         raise FileNotFoundError(f"{args.model} has no tokenizer files; save one beside the model")
     check_context(args.data.seq_len, model.config, args.data.beyond_context, "model")
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if args.niah and max_pos and all(n > max_pos for n in args.niah_lengths):  # else a table of "-" and exit 0
+        raise ValueError(f"every --niah_lengths {args.niah_lengths} is beyond the model's context "
+                         f"(max_position_embeddings {max_pos}); pass lengths up to it, e.g. --niah_lengths "
+                         f"[{max(64, max_pos // 2)},{max_pos}]")
     times = {}
     t = time.perf_counter()
     splits = load_splits(args.data, tokenizer, args.data.seq_len, 1, args.data.eval_seqs)

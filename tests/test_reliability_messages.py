@@ -296,3 +296,41 @@ def test_a_bad_flag_inside_tradeoff_distill_is_named_as_a_distill_flag_before_an
     err = fails(cli("tradeoff", "--distill_tokens", "1000", "--distill", '["--train.bogus 1"]'),
                 r"--distill '--train\.bogus 1' \(flags of `distill`\): unrecognized arguments: --train\.bogus")
     assert "tradeoff option" not in err
+
+
+def test_a_held_out_sweeps_findings(r7, tmp_path):
+    """Cases a second sweep found: a batch past the token budget ran out of memory with no message; `--overwrite
+    true` into a run to resume resumed in silence; every NIAH length past the model's context gave a table of "-"
+    and exit 0; a too-long --out name failed on the lock file beside it; tokenize's refusal named an --overwrite it
+    does not have."""
+    root, teacher, corpus, hybrid, run = r7
+    fails(main("distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--train.batch_size", "1000000000",
+               "--out", tmp_path / "big"), "less than one optimizer step", "raise --train.tokens")
+    d = copy_tree(run, tmp_path / "again")
+    (d / "report.json").unlink()
+    fails(main("distill", "--student", hybrid, "--data.source", corpus, *TRAIN, "--out", d, "--overwrite", "true"),
+          "only with --resume false")
+    fails(main("eval", "--model", hybrid, "--data.source", corpus, "--device", "cpu", "--data.seq_len", "32",
+               "--data.eval_seqs", "2", "--niah", "true", "--out", tmp_path / "e"), "every --niah_lengths",
+          "pass lengths up to it")
+    fails(main("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", tmp_path / ("b" * 250)),
+          "its last component is 250 bytes", "pass a shorter name")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    err = fails(main("tokenize", "--model", teacher, "--data.source", corpus, "--out", mine), "not an earlier")
+    assert "--overwrite" not in err
+
+
+def test_jsonl_records_in_a_corpus_directory_are_read_as_records(r7, tmp_path):
+    """A directory of .jsonl files (or a .JSONL file) was read as raw text: calibration on JSON syntax."""
+    from taylor_calibrate.config import CorpusSpec
+    from taylor_calibrate.data import load_documents
+
+    d = tmp_path / "jsonl_dir"
+    d.mkdir()
+    (d / "a.jsonl").write_text("\n".join(json.dumps({"text": f"document {i} about rivers"}) for i in range(3)))
+    (d / "b.JSONL").write_text(json.dumps({"text": "a loud record"}) + "\n")
+    docs = load_documents(CorpusSpec(source=str(d)))
+    texts = sorted(t for _, t in docs)
+    assert texts == ["a loud record"] + [f"document {i} about rivers" for i in range(3)]

@@ -449,3 +449,7 @@ def test_a_model_whose_tokenizer_was_replaced_is_refused_by_its_readers(ow, tmp_
                "--data.eval_seqs", "2", "--out", tmp_path / "e"),
           "its tokenizer files are not the tokenizer it was converted with", "copy them again")
     assert not (tmp_path / "e").exists()
+    (d / "report.json").unlink()  # nothing recorded: the teacher it names is the one compared, and not blamed
+    fails(main("eval", "--model", d, "--teacher", teacher, "--data.source", corpus, "--device", "cpu",
+               "--data.seq_len", "32", "--data.eval_seqs", "2", "--out", tmp_path / "e"),
+          "tokenizer files do not match its teacher", "copy them again from the teacher")
