@@ -342,7 +342,7 @@ def check_teacher_origin(student: str, recorded: str | None, teacher: str | None
     teacher_name, and report.json's teacher_hash of its weights): a --teacher that is another model is allowed (a
     bigger model of the same vocabulary, say) with a warning; without --teacher, a recorded teacher whose weights
     changed since the conversion is refused, since the user asked for the original. Returns the teacher spec."""
-    from taylor_calibrate.teacher import teacher_hash, teacher_ref
+    from taylor_calibrate.teacher import teacher_config_hash, teacher_hash, teacher_ref
 
     spec = teacher or recorded
     if not spec:
@@ -354,23 +354,27 @@ def check_teacher_origin(student: str, recorded: str | None, teacher: str | None
                                 "deleted); pass --teacher with where it is now")
     try:
         report = Path(student) / "report.json"
-        then = read_json(report, "").get("teacher_hash") if report.is_file() else None
+        rep = read_json(report, "") if report.is_file() else {}
     except (OSError, ValueError):
-        then = None  # no report (a distilled model/ directory) or a damaged one, which the loader has refused
+        rep = {}  # no report (a distilled model/ directory) or a damaged one, which the loader has refused
+    then, then_config = rep.get("teacher_hash"), rep.get("teacher_config_hash")
     now = teacher_hash(spec) if then else None
+    now_config = teacher_config_hash(spec) if then_config else None
     same_place = teacher_ref(spec) == teacher_ref(recorded)
     if then and now:
-        same = then == now
+        same = then == now and not (then_config and now_config and then_config != now_config)
     else:  # a hub id or an older conversion without the hash: where it is is all there is to compare
         same = same_place
     if same:
         return spec
+    changed = "weights" if then != now else "config.json"
     if teacher is None:
+        what = (f"its weights changed since (teacher_hash {then} then, {now} now)" if changed == "weights" else
+                "its config.json changed since (teacher_config_hash differs)")
         raise ValueError(f"the teacher {recorded} that {student} records is no longer the model it was converted "
-                         f"from: its weights changed since (teacher_hash {then} then, {now} now); restore it, or pass "
-                         f"--teacher {recorded} to distil toward it as it is now")
+                         f"from: {what}; restore it, or pass --teacher {recorded} to distil toward it as it is now")
     log.warning("--teacher %s is not the teacher %s was converted from (%s%s): distilling toward another model",
-                teacher, student, recorded, ", whose weights changed since" if same_place else "")
+                teacher, student, recorded, f", whose {changed} changed since" if same_place else "")
     return spec
 
 

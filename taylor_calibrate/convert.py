@@ -38,7 +38,8 @@ from taylor_calibrate.retrieval import answer_scores, calibration_probes, fittin
 from taylor_calibrate.stats import (attention_targets, collect_stats, far_weights, knockout_drops, retrieval_heads,
                                    store_device_for)
 from taylor_calibrate.teacher import (GGUF_TOKENIZER_KEY, Teacher, load_teacher, resolve_device, resolve_dtype,
-                                      shared_gguf_readers, teacher_gguf_tokenizer, teacher_hash, teacher_ref)
+                                      shared_gguf_readers, teacher_config_hash, teacher_gguf_tokenizer, teacher_hash,
+                                      teacher_ref)
 
 log = logging.getLogger("taylor_calibrate")
 
@@ -375,6 +376,7 @@ def run_convert(args: ConvertArgs) -> dict:
     with clock("load_teacher"), shared_gguf_readers():  # a GGUF teacher's file parsed once for all of it
         teacher = load_teacher(args.teacher, rt.device, rt.dtype)
         origin = teacher_hash(args.teacher)  # what `distill` checks its teacher against
+        origin_config = teacher_config_hash(args.teacher)
         gguf_tokenizer = teacher_gguf_tokenizer(args.teacher)  # what transformers' GGUF tokenizer drops (export)
     conv = convert(args, teacher, rt, clock)
     report = conv.report
@@ -386,6 +388,7 @@ def run_convert(args: ConvertArgs) -> dict:
             teacher.tokenizer.save_pretrained(tmp)
         report["wall_s"] = clock.wall()
         report["teacher_hash"] = origin
+        report["teacher_config_hash"] = origin_config
         report["tokenizer"] = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp))  # as readers will see it
         report[WROTE] = sorted([p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()] + [REPORT])
         report = record(tmp / REPORT, report, conv.args)
@@ -401,7 +404,8 @@ def phase_command(report: dict, out: str, seq: int) -> str:
     than half the layers hold GDN heads (a windowed teacher whose global layers are few, e.g. Gemma 3), that leaves
     the kept layers unable to take over what a converted layer did for retrieval, so every parameter trains, at the
     lower rate that wants (measured on Gemma 3: docs/results.md, run 18)."""
-    cmd = (f"taylor-calibrate distill --student {shlex.quote(str(out))} --data.seq_len {seq} --train.tokens 20000000 "
+    cmd = (f"taylor-calibrate distill --student {shlex.quote(str(out))} --data.seq_len {seq} "
+           "--train.tokens 20000000 "
            "--data.source YOUR_TEXT")
     if 2 * len(report["gdn_layers"]) < len(report["layer_types"]):
         cmd += " --train.train all --train.lr 1e-4 --train.repeat_spans 0.5 --train.recall_rows 0.25"

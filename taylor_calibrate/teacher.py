@@ -235,6 +235,18 @@ def teacher_hash(spec: str) -> str | None:
     return _weights_hash(tuple((p, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) for p, st in stats), full)
 
 
+def teacher_config_hash(spec: str) -> str | None:
+    """A digest of a local HF teacher's config.json as parsed (layout and key order aside): an edit to it (a norm's
+    eps, the rope) makes another model out of the same weights. None for a GGUF file (its config is in the weights'
+    hash), a hub id or no readable config."""
+    path = Path(os.path.expanduser(spec)) / "config.json"
+    try:
+        cfg = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return "sha256:" + hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest() if cfg else None
+
+
 @functools.cache  # a run asks for the same teacher's hash more than once (checks, then the run identity)
 def _weights_hash(files: tuple[tuple[str, int, int, int, int], ...], full: bool) -> str:
     h = hashlib.sha256()

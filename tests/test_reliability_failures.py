@@ -448,3 +448,17 @@ def test_a_disk_that_really_fills_up_is_one_line_and_leaves_nothing(fw, tmp_path
             (disk / "pad").write_bytes(b"\0" * pad)
             err = fails(main(*argv, disk / "out"), "[Nn]o space left on", "free space")
             assert [p.name for p in disk.iterdir()] == ["pad"], (err, list(disk.rglob("*")))
+
+
+def test_a_teacher_whose_config_changed_since_the_conversion_is_refused(fw, tmp_path):
+    """A teacher's config.json edited in place after the conversion (a norm's eps) was distilled toward in silence:
+    the recorded hash covered its weights only."""
+    root, teacher, corpus, hybrid = fw
+    moved = copy_tree(teacher, tmp_path / "teacher")
+    student = copy_tree(hybrid, tmp_path / "student")
+    cfg = json.loads((student / "config.json").read_text())
+    (student / "config.json").write_text(json.dumps({**cfg, "teacher_name": str(moved)}))
+    tcfg = json.loads((moved / "config.json").read_text())
+    (moved / "config.json").write_text(json.dumps({**tcfg, "rms_norm_eps": 0.5}))
+    fails(main("distill", "--student", student, "--data.source", corpus, "--device", "cpu", "--data.seq_len", "4096",
+               "--out", tmp_path / "d"), "is no longer the model it was converted from", "its config.json changed")
