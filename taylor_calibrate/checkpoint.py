@@ -265,7 +265,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
         except Exception as e:  # a damaged tokenizer file surfaces as whatever its reader meets
             raise tokenizer_error(str(path), e, "copy them again from the teacher it was converted from") from e
     check_tokenizer_fits(path, model, tokenizer, "copy them again from the teacher it was converted from")
-    check_tokenizer_recorded(path, tokenizer, "copy them again from the teacher it was converted from")
+    check_tokenizer_recorded(path, tokenizer, model.config, "copy them again from the teacher it was converted from")
     return model.to(device).eval(), tokenizer
 
 

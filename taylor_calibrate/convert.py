@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import shlex
 import time
@@ -390,6 +391,9 @@ def run_convert(args: ConvertArgs) -> dict:
         report["teacher_hash"] = origin
         report["teacher_config_hash"] = origin_config
         report["tokenizer"] = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp))  # as readers will see it
+        config = json.loads((tmp / "config.json").read_text())  # in the model's own config too: a distilled copy
+        (tmp / "config.json").write_text(json.dumps({**config, "tokenizer_fingerprint": report["tokenizer"]},
+                                                    indent=2, sort_keys=True) + "\n")  # and one without report.json
         report[WROTE] = sorted([p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()] + [REPORT])
         report = record(tmp / REPORT, report, conv.args)
     print_summary(report, conv.args, Path(args.out) / REPORT)
