@@ -424,6 +424,8 @@ def test_export_cli_writes_f16_matrices_on_request(tmp_path, capsys):
     save_hybrid(hybrid, tok, tmp_path / "hybrid")
     assert main(["export", "--model", str(tmp_path / "hybrid"), "--format", "gguf", "--gguf_type", "f16",
                  "--out", str(tmp_path / "g")]) == 0
+    assert f"serve: llama-server -m {tmp_path / 'g' / 'model.gguf'} -fa on -np N --no-kv-unified" in \
+        capsys.readouterr().out  # the settings the measurements chose (docs/serving.md)
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "g" / "model.gguf")).tensors}
     assert types["blk.0.attn_qkv.weight"] == types["token_embd.weight"] == gguf.GGMLQuantizationType.F16
     assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ssm_a"] == gguf.GGMLQuantizationType.F32

@@ -5,6 +5,7 @@ qwen3_5.py: transformers' Qwen3.5 (also vLLM, SGLang); gguf.py: llama.cpp's `qwe
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from taylor_calibrate.checkpoint import as_umask, write_errors
@@ -29,6 +30,17 @@ def check_whole_layers(model: str) -> None:
                          "convert with a layer policy and --target qwen3_5 to export")
 
 
+def serving_hint(fmt: str, out) -> str:
+    """How to serve the export, with the engine settings our measurements chose (docs/serving.md has them)."""
+    model = shlex.quote(str(out))  # the GGUF file, or the Qwen3.5 directory
+    if fmt == "gguf":
+        return (f"  serve: llama-server -m {model} -fa on -np N --no-kv-unified -c N*CONTEXT (each sequence its own "
+                "cache cells: llama.cpp builds every step's attention mask over all cells of a unified cache)")
+    return (f"  serve: vllm serve {model} --max-model-len CONTEXT, keeping vLLM's default compilation (torch.compile and "
+            "CUDA graphs: without them the hybrid's GDN layers decode slower than its teacher; no --enforce-eager, "
+            "no -O0). vLLM releases without a text-only Qwen3.5 class need it registered: docs/serving.md")
+
+
 @writes_out("export")
 def run_export(args: ExportArgs) -> dict:
     """Export a converted hybrid to a format that inference engines run without our package."""
@@ -43,4 +55,5 @@ def run_export(args: ExportArgs) -> dict:
     else:
         print(f"exported {args.model} -> {out} ({args.format}): load with transformers' AutoModelForCausalLM, no "
               "trust_remote_code")
+    print(serving_hint(args.format, out))
     return {"model": args.model, "out": str(out), "format": args.format, "gguf_type": args.gguf_type}
