@@ -10,7 +10,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 def test_tiny_run(tmp_path):
     mod = load_benchmark("target_qwen3_5")
-    teacher, corpus = tiny_local_teacher(tmp_path)
+    teacher, corpus = tiny_local_teacher(tmp_path, max_position_embeddings=512)  # NIAH's prompts need 393 tokens
     out = tmp_path / "res.json"
     mod.main(["--teacher", str(teacher), "--work", str(tmp_path / "w"), "--niah-lengths", "512", "--niah-samples", "1",
               "--out", str(out), "--convert-args", "--phase2.steps 2 --phase2.batch_size 2 --data.calib_seqs 4", "--",
