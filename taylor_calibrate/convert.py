@@ -437,7 +437,7 @@ def print_summary(report: dict, args: ConvertArgs, out: Path | None) -> None:
         r = report["retrieval"]
         rows += [(f"retrieval answer log-prob teacher / hybrid ({r['probes']} probes, {r['length']} tokens)",
                   f"{r['teacher']['logprob']:.2f} / {r['hybrid']['logprob']:.2f} nats"),
-                 ("retrieval answer exact, teacher-forced: teacher / hybrid",
+                 ("retrieval answer exact, teacher-forced (not generated: eval --niah): teacher / hybrid",
                   f"{r['teacher']['acc']:.2f} / {r['hybrid']['acc']:.2f}")]
     for key, label in (("phase2", "align rel-MSE before -> after"),
                        ("phase2_attention", "kept attention + q/k norm, rel-MSE"),

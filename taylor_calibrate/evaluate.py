@@ -24,7 +24,7 @@ from taylor_calibrate.checkpoint import REPORT, REWRITE, check_model_type, load_
 from taylor_calibrate.model.loading import read_json
 from taylor_calibrate.results import is_output_of, record, write_text
 from taylor_calibrate.ops import resolve_backend
-from taylor_calibrate.retrieval import REPLY_KINDS, niah_scores, reply_rates
+from taylor_calibrate.retrieval import REPLY_KINDS, check_lengths, niah_scores, reply_rates
 from taylor_calibrate.teacher import load_teacher, resolve_device, resolve_dtype
 
 NIAH_ANSWERS = "niah_answers.jsonl"
@@ -221,9 +221,15 @@ def run_eval(args: EvalArgs) -> dict:
     check_context(args.data.seq_len, model.config, args.data.beyond_context, "model")
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if args.niah and max_pos and all(n > max_pos for n in args.niah_lengths):  # else a table of "-" and exit 0
+        try:  # the longest length there is: can it hold a prompt at all?
+            check_lengths(tokenizer, args.niah_tasks, [max_pos], args.niah_new_tokens)
+        except ValueError:
+            raise ValueError(f"--niah true: this model's context (max_position_embeddings {max_pos}) cannot hold a "
+                             "NIAH prompt (with this tokenizer its questions and needles alone take more); run eval "
+                             "without --niah") from None
         raise ValueError(f"every --niah_lengths {args.niah_lengths} is beyond the model's context "
                          f"(max_position_embeddings {max_pos}); pass lengths up to it, e.g. --niah_lengths "
-                         f"[{max(64, max_pos // 2)},{max_pos}]")
+                         f"[{max_pos}]")
     times = {}
     t = time.perf_counter()
     splits = load_splits(args.data, tokenizer, args.data.seq_len, 1, args.data.eval_seqs)
