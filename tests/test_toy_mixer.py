@@ -36,6 +36,14 @@ def test_unregistered_mixer_is_a_clear_error(teacher_stats):
         convert_teacher(teacher_stats[0], LAYERS, ToyConfig())
 
 
+def test_a_mixer_without_an_export_form_is_a_clear_error(toy):
+    """`export --format qwen3_5` and `--target qwen3_5` read the mixer's form from its spec: a mixer without one was a
+    bare KeyError."""
+    with pytest.raises(ValueError, match=r"the 'toy' mixer has no qwen3_5 form \(its exports: none\)"):
+        TOY_SPEC.export("qwen3_5")
+    assert MIXERS["gdn"].export("qwen3_5") is MIXERS["gdn"].exports["qwen3_5"]
+
+
 def test_toy_mixer_calibrates_aligns_saves_loads_and_generates(toy, teacher_stats, tmp_path, single_thread):
     teacher, stats = teacher_stats
     with pytest.raises(ValueError, match="not one of"):  # GDN's methods are GDN's

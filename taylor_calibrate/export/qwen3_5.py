@@ -113,7 +113,7 @@ def check_exportable(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> None:
         if "qwen3_5" not in spec.exports:
             problems.append(f"its {cfg.mixer} layers have no Qwen3.5 form (Qwen3.5's linear layer is GDN)")
         else:
-            problems += spec.exports["qwen3_5"]["problems"](spec.options(cfg.mixer_options), base, state,
+            problems += spec.export("qwen3_5")["problems"](spec.options(cfg.mixer_options), base, state,
                                                             cfg.gdn_layers, fix)
     if problems:
         raise ValueError("this hybrid cannot be exported exactly to qwen3_5:\n  - " + "\n  - ".join(problems))
@@ -165,7 +165,7 @@ def qwen3_5_config(cfg: HybridConfig, dtype: torch.dtype) -> dict:
         "rope_parameters": rope,
         "rope_theta": rope["rope_theta"],
         "partial_rotary_factor": 1.0,
-        **spec.exports["qwen3_5"]["config"](spec.options(cfg.mixer_options)),
+        **spec.export("qwen3_5")["config"](spec.options(cfg.mixer_options)),
         "linear_key_head_dim": D,
         "linear_value_head_dim": D,
         "linear_num_key_heads": base["num_attention_heads"],
@@ -194,7 +194,7 @@ def qwen3_5_state_dict(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> dic
     check_exportable(cfg, state)
     D = _head_dim(cfg.base_config)
     spec = get_spec(cfg.mixer)
-    mixer_export, options = spec.exports["qwen3_5"], spec.options(cfg.mixer_options)
+    mixer_export, options = spec.export("qwen3_5"), spec.options(cfg.mixer_options)
     state = dict(state)
     if cfg.base_config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
@@ -298,7 +298,7 @@ QWEN3_FORM_FROM = ("llama", "qwen2", "mistral", "qwen3")
 
 def target_gdn(gdn, teacher_config):
     """The GDN options `--target qwen3_5` builds (Qwen3.5's layer): returns the changed fields (logged, recorded)."""
-    need = spec_for_options(gdn).exports["qwen3_5"]["options"](teacher_config)
+    need = spec_for_options(gdn).export("qwen3_5")["options"](teacher_config)
     changed = {k: (getattr(gdn, k), v) for k, v in need.items() if getattr(gdn, k) != v}
     for k, (_, v) in changed.items():
         setattr(gdn, k, v)

@@ -50,3 +50,10 @@ class MixerSpec:
     def options(self, stored: dict | None):
         """The options dataclass from what a config stores."""
         return self.config.from_dict(stored)
+
+    def export(self, fmt: str):
+        """This mixer's description for export format `fmt`, or a clear error where it maps onto none."""
+        if fmt not in self.exports:
+            raise ValueError(f"the {self.name!r} mixer has no {fmt} form (its exports: {sorted(self.exports) or 'none'})"
+                             f"; convert with a mixer that has one, or add it to the mixer's spec (`exports`)")
+        return self.exports[fmt]
