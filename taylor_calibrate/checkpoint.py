@@ -259,6 +259,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     check_report(path, model.config)
     check_finite(model, str(path), "the file is damaged or the run that wrote it diverged; " + fix)
     tokenizer = None
+    check_tokenizer_files(path)
     if any(path.glob("tokenizer*")):
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
@@ -267,6 +268,14 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     check_tokenizer_fits(path, model, tokenizer, "copy them again from the teacher it was converted from")
     check_tokenizer_recorded(path, tokenizer, model.config, "copy them again from the teacher it was converted from")
     return model.to(device).eval(), tokenizer
+
+
+def check_tokenizer_files(path: Path, fix: str = "copy it again from the teacher it was converted from") -> None:
+    """A model directory with a tokenizer's vocabulary but no tokenizer_config.json loads a tokenizer without its
+    special tokens (eos, pad), which a reader then takes for another tokenizer or, exporting, writes out wrong."""
+    if (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise FileNotFoundError(f"{path} holds tokenizer.json but no tokenizer_config.json (the tokenizer's special "
+                                f"tokens: eos, pad); {fix}")
 
 
 REWRITE = "re-run `convert` into a new --out to rewrite it"

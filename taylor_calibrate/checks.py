@@ -164,6 +164,9 @@ def _check_replaced_out(path: Path, out: str, command: str, flag: str, overwrite
         raise FileExistsError(f"{flag} {out} is an earlier `{command}` output that also holds {_named(extra)}, which "
                               f"`{command}` did not write and replacing the directory would delete; move "
                               f"{'it' if len(extra) == 1 else 'them'} away or pass another {flag}")
+    if overwrite is False:  # the earlier model is the user's result: replaced only when they say so
+        raise FileExistsError(f"{flag} {out} holds an earlier `{command}` output; pass --overwrite true to replace it "
+                              f"(it is replaced only once the new one is complete), or another {flag}")
 
 
 def _check_foreign_out(path: Path, out: str, command: str, overwrite: bool | None, flag: str) -> None:

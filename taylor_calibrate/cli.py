@@ -17,7 +17,9 @@ import signal
 import sys
 import threading
 import typing
+from pathlib import Path
 
+import yaml
 from jsonargparse import ArgumentParser, Namespace, set_parsing_settings
 
 from taylor_calibrate.experiments.ablate import run_ablate
@@ -60,6 +62,9 @@ def build_parser() -> ArgumentParser:
 
 def parse(argv: list[str] | None = None):
     """argv -> (subcommand name, its argument dataclass)."""
+    words = sys.argv[1:] if argv is None else argv
+    if command := next((w for w in words if w in COMMANDS), None):
+        check_config_groups(words, COMMANDS[command][0])
     parser = build_parser()
     cfg = parser.parse_args(argv)
     name = cfg.command
@@ -82,6 +87,23 @@ def check_groups(values: Namespace, defaults: Namespace, prefix: str = "") -> No
             if not isinstance(value, Namespace):
                 raise ValueError(not_a_group(prefix + key, value))
             check_groups(value, default, f"{prefix}{key}.")
+
+
+def check_config_groups(words: list[str], args_cls) -> None:
+    """A --config file that gives a list for an option group (`data: [corpus, 32]`) passes the parser, which drops it
+    in silence (the run then reads the default corpus): refused naming the group, as a scalar there is."""
+    from dataclasses import MISSING, fields, is_dataclass
+
+    groups = {f.name for f in fields(args_cls)
+              if is_dataclass(f.default_factory() if f.default_factory is not MISSING else f.default)}
+    for value in config_files(words):
+        try:
+            cfg = yaml.safe_load(Path(value).read_text() if os.path.isfile(value) else value)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue  # the parser, or check_config_files, words it
+        for key, v in (cfg.items() if isinstance(cfg, dict) else []):
+            if key in groups and v is not None and not isinstance(v, dict):
+                raise ValueError(not_a_group(str(key), v))
 
 
 def not_a_group(key: str, value) -> str:

@@ -346,9 +346,9 @@ class PipelineArgs:
     seed: int = 0
     """Seed of the random parts of the initialisation."""
     overwrite: bool = False
-    """The experiments: write among the files of a non-empty --out that is not an earlier output of theirs (another
-    command's output or a file of a name they write is refused). `convert` replaces --out whole, so it takes only a
-    new or empty directory or an earlier convert output holding nothing else, whatever this says."""
+    """`convert`: replace an earlier convert output in --out (one holding nothing convert did not write; any other
+    non-empty directory is refused whatever this says). The experiments: write among the files of a non-empty --out
+    that is not an earlier output of theirs (another command's output or a file of a name they write is refused)."""
 
     def __post_init__(self):
         check_profile(self.profile)

@@ -134,7 +134,7 @@ def check_teacher_dir(path: Path) -> None:
     """An HF checkpoint directory must have a readable config.json and intact safetensors weights (and, checked in
     `load_teacher`, tokenizer files): checked before loading so that the error names the file instead of transformers'
     guess (the hub, sentencepiece)."""
-    from taylor_calibrate.checkpoint import check_regular_files, check_safetensors
+    from taylor_calibrate.checkpoint import check_regular_files, check_safetensors, check_tokenizer_files
 
     config = path / "config.json"
     if not config.exists():
@@ -147,6 +147,7 @@ def check_teacher_dir(path: Path) -> None:
     read_json(config, "restore it from the original checkpoint")
     check_safetensors(path, "restore the teacher's weights from the original checkpoint")
     check_regular_files(path, "restore it from the original checkpoint")
+    check_tokenizer_files(path, "copy it from the original checkpoint (without it the hybrid would have no eos)")
 
 
 def _locate(spec: str) -> tuple[str, dict]:

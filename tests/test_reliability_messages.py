@@ -334,3 +334,27 @@ def test_jsonl_records_in_a_corpus_directory_are_read_as_records(r7, tmp_path):
     docs = load_documents(CorpusSpec(source=str(d)))
     texts = sorted(t for _, t in docs)
     assert texts == ["a loud record"] + [f"document {i} about rivers" for i in range(3)]
+
+
+def test_a_third_sweeps_findings(r7, tmp_path):
+    """A list given for an option group in --config was dropped in silence (the default corpus read instead); a model
+    or teacher directory without tokenizer_config.json exported, or converted, a tokenizer without its eos; convert
+    over its own earlier output replaced it without being asked."""
+    root, teacher, corpus, hybrid, run = r7
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data: [{corpus}, 32]\n")
+    fails(main("eval", "--model", hybrid, "--config", cfg, "--out", tmp_path / "e"), "--data .* is not a set of options")
+    m = copy_tree(hybrid, tmp_path / "no_tok_cfg")
+    (m / "tokenizer_config.json").unlink()
+    fails(main("export", "--model", m, "--out", tmp_path / "x"), "no tokenizer_config.json", "copy it again")
+    fails(main("eval", "--model", m, "--data.source", corpus, "--device", "cpu", "--out", tmp_path / "e2"),
+          "no tokenizer_config.json")
+    t = copy_tree(teacher, tmp_path / "teacher_no_tok_cfg")
+    (t / "tokenizer_config.json").unlink()
+    fails(main("convert", "--teacher", t, "--data.source", corpus, *SMALL, "--out", tmp_path / "h"),
+          "no tokenizer_config.json", "no eos")
+    again = copy_tree(hybrid, tmp_path / "again")
+    before = tree(again)
+    fails(main("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", again),
+          "holds an earlier `convert` output; pass --overwrite true")
+    assert tree(again) == before

@@ -396,7 +396,8 @@ def test_convert_never_deletes_what_it_did_not_write(ow, what):
         assert tree(d) == before
     if what == "convert_output_with_notes":
         (d / "notes.txt").unlink()
-        succeeds(_convert(ow, d))
+        fails(_convert(ow, d), "holds an earlier `convert` output; pass --overwrite true to replace it")
+        succeeds(_convert(ow, d, "--overwrite", "true"))
         report = json.loads((d / "report.json").read_text())
         assert sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()) == report["files"]
 
@@ -410,8 +411,8 @@ def test_convert_through_a_link_keeps_the_link(ow):
     link.unlink(missing_ok=True)
     target.mkdir()
     link.symlink_to(target, target_is_directory=True)
-    for _ in range(2):  # into the empty target, then over the earlier output through the link
-        succeeds(_convert(ow, link))
+    for more in ([], ["--overwrite", "true"]):  # into the empty target, then over the earlier output through the link
+        succeeds(_convert(ow, link, *more))
         assert link.is_symlink() and (target / "report.json").is_file() and (target / "model.safetensors").is_file()
         assert not [p.name for p in root.iterdir() if p.name.startswith((".link_out", ".link_target"))
                     and not p.name.endswith(".lock")]

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from taylor_calibrate.checkpoint import (REWRITE, check_hybrid_config, check_json_files, check_model_path,
-                                        check_safetensors, check_state)
+                                        check_safetensors, check_state, check_tokenizer_files)
 from taylor_calibrate.model.hybrid_config import MIXER_TYPE, HybridConfig
 from taylor_calibrate.model.mixers import get_spec, spec_for_options
 from taylor_calibrate.model.mixers.calibration import constant_direction
@@ -239,6 +239,7 @@ def check_model_dir(path: Path) -> dict:
     if model_type != HybridConfig.model_type:
         raise ValueError(f"{path} holds a {model_type!r} model, not a hybrid made by `convert` ({HybridConfig.model_type})")
     check_hybrid_config(path, cfg, REWRITE)
+    check_tokenizer_files(path)
     return cfg
 
 
