@@ -245,8 +245,11 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     cfg = json.loads((path / "config.json").read_text())
     check_model_type(path, cfg, fix)
     check_hybrid_config(path, cfg, fix)
-    if not check_safetensors(path, fix):
+    if not (found := check_safetensors(path, fix)):
         raise FileNotFoundError(f"{path} has no *.safetensors weights; re-run `convert` to write them")
+    if not any((path / n).exists() for n in ("model.safetensors", "model.safetensors.index.json")):
+        raise FileNotFoundError(f"{path} holds {', '.join(Path(f).name for f in found)} but no model.safetensors (or "
+                                "model.safetensors.index.json), the names the loader reads; rename the file")
     try:  # weights of another shape than the config's are named by check_loaded, not raised as a page of shapes
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
                                                            ignore_mismatched_sizes=True, trust_remote_code=False)

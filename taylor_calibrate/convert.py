@@ -143,7 +143,10 @@ def retrieval_probes(args: ConvertArgs, teacher: Teacher, auto: bool) -> tuple[i
             log.warning("policy auto: the retrieval probes do not fit this teacher (%s); keeping layers uniformly", e)
             return None, [], "uniform"
         if args.policy in RETRIEVAL:
-            raise ValueError(f"policy {args.policy!r} scores heads on retrieval probes, which do not fit: {e}") from e
+            ctx = getattr(teacher.model.config, "max_position_embeddings", None)
+            raise ValueError(f"policy {args.policy!r} scores heads on retrieval probes, which do not fit this teacher "
+                             f"(context {ctx}; {e}); pass a policy that needs no probes (--policy kl or uniform)"
+                             ) from e
         log.warning("no retrieval report: %s", e)
         return None, [], args.policy
 

@@ -150,7 +150,7 @@ def tiny_local_teacher(root, **over):
     tokenizer = tiny_tokenizer([p.read_text() for p in sorted(corpus.iterdir())])
     assert len(tokenizer) <= VOCAB
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB, initializer_range=0.1, **over)) \
+    AutoModelForCausalLM.from_config(tiny_config("llama", **{"vocab_size": VOCAB, "initializer_range": 0.1, **over})) \
         .save_pretrained(teacher_dir)
     tokenizer.save_pretrained(teacher_dir)
     return teacher_dir, corpus

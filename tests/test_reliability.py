@@ -157,7 +157,7 @@ def test_convert_killed_while_replacing_an_earlier_output_leaves_it_whole(w):
     and loads; a complete rerun replaces it by one rename, byte-identical, with nothing left beside it."""
     x = w.copy(w.a, "earlier")
     before = tree(x)
-    argv = ["convert", "--teacher", w.teacher, "--data.source", w.corpus, *SMALL, "--out", x]
+    argv = ["convert", "--teacher", w.teacher, "--data.source", w.corpus, *SMALL, "--out", x, "--overwrite", "true"]
     p = subprocess.Popen(_cmd(argv), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while p.poll() is None and time.time() < deadline and not list(x.parent.glob(".earlier.partial-*")):
@@ -167,7 +167,7 @@ def test_convert_killed_while_replacing_an_earlier_output_leaves_it_whole(w):
     now = tree(x)
     assert now["model.safetensors"] == before["model.safetensors"] and now["config.json"] == before["config.json"]
     succeeds(w.eval(x, "--out", w.root / "copies" / "earlier_eval"))
-    succeeds(w.convert(x))
+    succeeds(w.convert(x, "--overwrite", "true"))
     assert tree(x)["model.safetensors"] == before["model.safetensors"]  # deterministic, and replaced whole
     assert not [q.name for q in x.parent.iterdir() if q.name.startswith(".earlier.")]
 

@@ -358,3 +358,12 @@ def test_a_third_sweeps_findings(r7, tmp_path):
     fails(main("convert", "--teacher", teacher, "--data.source", corpus, *SMALL, "--out", again),
           "holds an earlier `convert` output; pass --overwrite true")
     assert tree(again) == before
+
+
+def test_a_renamed_weights_file_is_named(r7, tmp_path):
+    """weights.safetensors in place of model.safetensors was transformers' own "no file named model.safetensors"."""
+    root, teacher, corpus, hybrid, run = r7
+    m = copy_tree(hybrid, tmp_path / "renamed")
+    (m / "model.safetensors").rename(m / "weights.safetensors")
+    fails(main("eval", "--model", m, "--data.source", corpus, "--device", "cpu", "--out", tmp_path / "e"),
+          r"holds weights\.safetensors but no model\.safetensors", "rename the file")
