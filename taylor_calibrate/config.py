@@ -355,8 +355,9 @@ class PipelineArgs:
         if self.kv_budget is not None and not 0 < self.kv_budget < 1:
             raise ValueError(f"kv_budget={self.kv_budget} must be a fraction of the teacher's KV cache in (0, 1)")
         if self.kv_budget is None and self.keep_every < 2:
-            raise ValueError(f"keep_every={self.keep_every} keeps every layer as softmax attention, so nothing would be "
-                             "converted: use --keep_every 2 or more, or --kv_budget F")
+            why = ("keeps every layer as softmax attention, so nothing would be converted" if self.keep_every == 1
+                   else "is no count of layers (one attention layer kept in every N)")
+            raise ValueError(f"keep_every={self.keep_every} {why}: use --keep_every 2 or more, or --kv_budget F")
         if self.context is not None and self.context < 1:
             raise ValueError(f"context={self.context} must be >= 1 (tokens at which the KV cache is counted)")
         if self.probe_samples < 1:
