@@ -39,7 +39,7 @@ SCHEDULES = ("wsd", "constant")
 class CalibArgs:
     """Phase 1 options. `taylor` drops the attention sink's mass from d_h and c_h and normalises c_h absolutely; `paper`
     keeps the reference's choices (sink counted, c_h min-max over the layer's heads)."""
-    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_options`)
         "gate_alpha": "[0, inf)", "sigma_rows": "[1, inf)", "fit_rows": "[1, inf)", "beta_min": "(0, 1)",
         "beta_span": "[0, 1)"}
 
@@ -83,7 +83,7 @@ class CalibArgs:
 class AlignArgs:
     """Phase 2 (docs/method.md, "Phase 2: alignment"): per-layer alignment of each GDN mixer to the teacher's attention
     output."""
-    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_options`)
         "steps": "[0, inf)", "batch_size": "[1, inf)", "seq_len": "[2, inf)", "lr": "[0, inf)", "lr_qkv": "[0, inf)",
         "lr_o": "[0, inf)", "lr_dynamics": "[0, inf)", "lr_scale": "(0, inf)", "weight_decay": "[0, inf)",
         "decay_fraction": "[0, 1]", "sink_weight": "[0, inf)", "far_weight": "[0, inf)", "layer_group": "[1, inf)",
@@ -178,7 +178,7 @@ class AlignArgs:
 @dataclass
 class CorpusSpec:
     """Where the text comes from and how much of it is held out."""
-    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_options`)
         "heldout_fraction": "(0, 1)"}
 
     source: str = "builtin"
@@ -207,7 +207,7 @@ class CorpusSpec:
 @dataclass
 class DataArgs(CorpusSpec):
     """Which text to calibrate on and which to evaluate on (never overlapping documents)."""
-    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_options`)
         "seq_len": "[2, inf)", "calib_seqs": "[1, inf)", "eval_seqs": "[1, inf)"}
 
     seq_len: int | None = None
@@ -258,7 +258,7 @@ def _fill(args, values: dict) -> None:
 class NiahArgs:
     """Needle-in-a-haystack options of the commands that score retrieval by generation (eval, recovery, tradeoff);
     their flags stay flat (--niah_tasks, ...)."""
-    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_options`)
         "niah_samples": "[1, inf)", "niah_new_tokens": "[1, inf)"}
 
     niah_tasks: list[str] = field(default_factory=lambda: list(NIAH_TASKS))
@@ -304,7 +304,7 @@ def check_batch(eval_batch_size: int) -> None:
 @dataclass
 class PipelineArgs:
     """What every stage that builds hybrids shares: the teacher, the GDN layer, phase 1 and 2, data, hardware."""
-    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_options`)
         "keep_every": "[1, inf)", "kv_budget": "(0, 1)", "context": "[2, inf)", "probe_samples": "[1, inf)",
         "policy_weight": "[0, 1]", "eval_batch_size": "[1, inf)"}
 
@@ -474,7 +474,7 @@ def apply_profile(args, device_type: str) -> str:
 class EvalArgs(NiahArgs):
     """`taylor-calibrate eval`: perplexity of a hybrid (and optionally its teacher) on held-out text; optionally
     long-context retrieval (NIAH), agreement with the teacher and lm-eval tasks."""
-    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_options`)
         "eval_batch_size": "[1, inf)", "lm_eval_limit": "[1, inf)"}
 
     model: str = "out/hybrid"
@@ -532,7 +532,7 @@ LOSS_HEADS = ("fused", "logits")
 class TrainArgs:
     """Recovery distillation (docs/method.md, "Recovery distillation"): the student learns the teacher's next-token
     distribution."""
-    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_options`)
         "tokens": "[1, inf)", "batch_size": "[1, inf)", "micro_batch_size": "[1, inf)", "lr": "(0, inf)",
         "mixer_lr": "[0, inf)", "warmup": "[0, 1)", "weight_decay": "[0, inf)", "kl_weight": "[0, inf)",
         "temperature": "[0.05, 20]", "kl_chunk": "[1, inf)", "repeat_spans": "[0, 1]", "recall_rows": "[0, 1]",
@@ -659,7 +659,7 @@ def apply_train_profile(train: TrainArgs, profile: str) -> None:
 @dataclass
 class DistillArgs:
     """`taylor-calibrate distill`: recover a converted hybrid by distillation from its teacher."""
-    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_options`)
         "eval_batch_size": "[1, inf)"}
 
     student: str = "out/hybrid"
@@ -706,7 +706,7 @@ class TokenizeArgs:
 class RecoveryArgs(PipelineArgs, NiahArgs):
     """`taylor-calibrate recovery`: tokens-to-matched-recovery of each init on each policy (docs/method.md, "Recovery
     distillation")."""
-    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_options`)
         "niah_samples": "[1, inf)", "niah_points": "[2, inf)", "time_limit_s": "[0, inf)"}
 
     out: str = "out/recovery"
@@ -744,7 +744,7 @@ class RecoveryArgs(PipelineArgs, NiahArgs):
 @dataclass
 class TradeoffArgs(PipelineArgs, NiahArgs):
     """`taylor-calibrate tradeoff`: the retrieval / perplexity trade-off of conversions over KV budgets and policies."""
-    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_finite_options`)
+    RANGES: ClassVar[dict[str, str]] = {  # each numeric option's valid values (`check_options`)
         "seed_budget": "(0, 1)", "logprob_length": "[2, inf)", "distill_tokens": "[0, inf)"}
 
     out: str = "out/tradeoff"
@@ -840,17 +840,28 @@ def ranges_of(args) -> dict[str, str]:
     return out
 
 
-def check_finite_options(args, prefix: str = "--") -> None:
-    """Refuse NaN and inf in every float option of an argument dataclass (nested ones and lists too): every comparison
-    with NaN is false, so range checks let it through and it would silently turn off what it sets (a NaN grad_clip
-    clips nothing). Then each option outside its class's RANGES (a negative learning rate climbs the loss, a zero
-    temperature trains nothing while the metrics read as perfect agreement). Integers past 64 bits are refused too
-    (an OverflowError deep in the run)."""
+PATH_OPTIONS = ("teacher", "student", "model", "hybrid", "out", "source", "token_cache")  # files and directories
+
+
+def check_options(args, prefix: str = "--") -> None:
+    """The one check of a built argument dataclass (nested ones and lists too). NaN and inf are refused in every float
+    option: every comparison with NaN is false, so range checks let it through and it would silently turn off what it
+    sets (a NaN grad_clip clips nothing). Then each option outside its class's RANGES (a negative learning rate climbs
+    the loss, a zero temperature trains nothing while the metrics read as perfect agreement), and integers past 64 bits
+    (an OverflowError deep in the run). A path option (PATH_OPTIONS) may not be empty (read as a hub id or the working
+    directory), and `~` in it is expanded as the shell would have (`--teacher=~/t` and a --config file reach us
+    unexpanded)."""
     ranges = ranges_of(args)
     for f in fields(args):
         value, name = getattr(args, f.name), f"{prefix}{f.name}"
         if is_dataclass(value):
-            check_finite_options(value, f"{name}.")
+            check_options(value, f"{name}.")
+        if f.name in PATH_OPTIONS and isinstance(value, str):
+            if not value.strip():
+                what = {"teacher": "a path or a hub id", "out": "a directory path"}.get(f.name, "a path")
+                raise ValueError(f"{name} is empty; pass {what}")
+            if value == "~" or value.startswith("~/"):
+                setattr(args, f.name, os.path.expanduser(value))
         seed = f.name in ("seed", "seeds") or f.name.endswith("_seed")
         for v in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(v, float) and not math.isfinite(v):
@@ -887,30 +898,11 @@ def check_values(namespace, args_cls, prefix: str = "--") -> None:
             raise ValueError(nothing_to_run(name, default))
 
 
-PATH_OPTIONS = ("teacher", "student", "model", "hybrid", "out", "source", "token_cache")  # files and directories
-
-
-def expand_paths(args) -> None:
-    """`~` in a path option, as the shell would have expanded it (`--teacher=~/t` and a --config file reach us
-    unexpanded and were read as a hub id); an empty one is refused (read as a hub id or the working directory)."""
-    for f in fields(args):
-        value = getattr(args, f.name)
-        if is_dataclass(value):
-            expand_paths(value)
-        elif f.name in PATH_OPTIONS and isinstance(value, str):
-            if not value.strip():
-                what = {"teacher": "a path or a hub id", "out": "a directory path"}.get(f.name, "a path")
-                raise ValueError(f"--{f.name} is empty; pass {what}")
-            if value == "~" or value.startswith("~/"):
-                setattr(args, f.name, os.path.expanduser(value))
-
-
 def args_of(args_cls, namespace):
     """A parsed (instantiated) namespace -> the argument dataclass, its float options checked finite and in range,
     `~` in its paths expanded."""
     args = args_cls(**{k: v for k, v in vars(namespace).items() if k != "config" and not k.startswith("__")})
-    check_finite_options(args)
-    expand_paths(args)
+    check_options(args)
     return args
 
 

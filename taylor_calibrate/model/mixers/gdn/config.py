@@ -11,7 +11,7 @@ class GDNConfig:
 
     Head count and head dim are not options: they are the teacher's (num_heads = query heads, expand_v = 1).
     """
-    RANGES: ClassVar[dict[str, str]] = {"conv_size": "[2, 16]", "norm_eps": "(0, 1)"}  # `config.check_finite_options`
+    RANGES: ClassVar[dict[str, str]] = {"conv_size": "[2, 16]", "norm_eps": "(0, 1)"}  # `config.check_options`
 
     short_conv: str = "random"
     """Short causal depthwise conv on q/k/v (fla's `use_short_conv`, on by default there) and its library init, which
