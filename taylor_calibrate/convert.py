@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import shlex
 import time
@@ -386,17 +385,15 @@ def run_convert(args: ConvertArgs) -> dict:
     report = conv.report
     with staged_dir(args.out) as tmp:  # model, tokenizer and report appear together, or not at all
         with clock("save"):
-            conv.hybrid.save_pretrained(tmp, safe_serialization=True)
             if gguf_tokenizer is not None:
                 teacher.tokenizer.init_kwargs[GGUF_TOKENIZER_KEY] = gguf_tokenizer
             teacher.tokenizer.save_pretrained(tmp)
+            # the tokenizer as readers will load it, recorded in the model's config (a distilled copy keeps it)
+            conv.hybrid.config.tokenizer_fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp))
+            conv.hybrid.save_pretrained(tmp, safe_serialization=True)
         report["wall_s"] = clock.wall()
         report["teacher_hash"] = origin
         report["teacher_config_hash"] = origin_config
-        report["tokenizer"] = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp))  # as readers will see it
-        config = json.loads((tmp / "config.json").read_text())  # in the model's own config too: a distilled copy
-        (tmp / "config.json").write_text(json.dumps({**config, "tokenizer_fingerprint": report["tokenizer"]},
-                                                    indent=2, sort_keys=True) + "\n")  # and one without report.json
         report[WROTE] = sorted([p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()] + [REPORT])
         report = record(tmp / REPORT, report, conv.args)
     print_summary(report, conv.args, Path(args.out) / REPORT)

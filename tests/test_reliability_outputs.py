@@ -450,7 +450,7 @@ def test_a_model_whose_tokenizer_was_replaced_is_refused_by_its_readers(ow, tmp_
                "--data.eval_seqs", "2", "--out", tmp_path / "e"),
           "its tokenizer files are not the tokenizer it was converted with", "copy them again")
     assert not (tmp_path / "e").exists()
-    (d / "report.json").unlink()  # config.json records it too (a distilled model/ has no report.json)
+    (d / "report.json").unlink()  # the record is the model's config (a distilled model/ has no report.json)
     fails(main("eval", "--model", d, "--data.source", corpus, "--device", "cpu", "--data.seq_len", "32",
                "--data.eval_seqs", "2", "--out", tmp_path / "e"), "its tokenizer files are not the tokenizer")
     cfg = json.loads((d / "config.json").read_text())

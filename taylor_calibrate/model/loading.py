@@ -100,12 +100,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def check_tokenizer_recorded(path, tokenizer, config, fix: str) -> None:
-    """A converted model records its tokenizer (`tokenizer_fingerprint`, in report.json and config.json, which a
-    distilled copy keeps); tokenizer files replaced since by another of the same size would give other ids to the
-    same text and every figure read through them."""
-    report = Path(path) / REPORT
-    rep = read_json(report, fix, object) if report.is_file() else {}
-    want = (rep.get("tokenizer") if isinstance(rep, dict) else None) or getattr(config, "tokenizer_fingerprint", None)
+    """A converted model records its tokenizer in its config (`tokenizer_fingerprint`, which a distilled copy keeps);
+    tokenizer files replaced since by another of the same size would give other ids to the same text and every figure
+    read through them."""
+    want = getattr(config, "tokenizer_fingerprint", None)
     if tokenizer is not None and isinstance(want, str) and tokenizer_fingerprint(tokenizer) != want:
         raise ValueError(f"{path}: its tokenizer files are not the tokenizer it was converted with (its config "
                          f"records another vocabulary or encoding); {fix}")
